@@ -1,0 +1,1 @@
+"""Bootstrap of the tiny CPU policy: its character tokenizer (model and trainer live elsewhere)."""

@@ -1,0 +1,248 @@
+"""``fastdraft bootstrap``: train once and cache the tiny CPU policy, with a report of its quality.
+
+The result lives in ``<cache>/bootstrap/<task>-<digest>/`` (``policy/`` = an HF checkpoint dir with
+tokenizer and generation_config.json, plus ``report.json``); the digest covers the spec, the seed
+and the format version, so a changed spec never reuses a stale policy. Everything is built in a
+hidden temp dir next to it and renamed into place only when complete, so a killed run never
+leaves a directory that looks like a finished bootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from fastdraft.bootstrap.policy import (
+    EOS_ID,
+    BootstrapSpec,
+    batch_stream,
+    encode_prompt,
+    init_weights,
+    model_config,
+    train_policy,
+)
+from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
+from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.models import CausalLM, save_model
+from fastdraft.rl.tasks import Problem, Task, get_task, length_percentiles
+
+Log = Callable[[str], None]
+REPORT_FILE = "report.json"
+POLICY_SUBDIR = "policy"
+#: Term-count buckets for accuracy by problem length (modsum prompts have 2 chars per term).
+TERM_BUCKETS = ((3, 5), (6, 10), (11, 20), (21, 40))
+
+
+def default_cache_dir() -> Path:
+    """``$FASTDRAFT_CACHE`` if set, else ``~/.cache/fastdraft``."""
+    env = os.environ.get("FASTDRAFT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastdraft"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootstrapReport:
+    """What a bootstrap produced and how good it is. Lengths are in tokens of the generated
+    answer, EOS included (reference: solution chars + 1 for EOS), on the held-out prompts."""
+
+    policy_dir: Path
+    task: str
+    seed: int
+    spec_digest: str
+    spec: dict[str, Any]
+    num_params: int
+    train_steps: int
+    train_tokens: int
+    final_loss: float
+    train_seconds: float
+    eval_seconds: float
+    total_seconds: float
+    torch_threads: int
+    num_heldout: int
+    heldout_accuracy_greedy: float
+    heldout_accuracy_sampled: float
+    greedy_accuracy_by_terms: dict[str, float]
+    sampled_truncated_fraction: float
+    greedy_length_p50: float
+    greedy_length_p90: float
+    greedy_length_p99: float
+    sampled_length_p50: float
+    sampled_length_p90: float
+    sampled_length_p99: float
+    reference_length_p50: float
+    reference_length_p90: float
+    reference_length_p99: float
+    cached: bool = field(default=False, compare=False)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["policy_dir"] = str(self.policy_dir)
+        data.pop("cached")
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, policy_dir: Path | None = None) -> BootstrapReport:
+        """Parses ``to_json`` output; ``policy_dir`` overrides the stored path (cache moved)."""
+        data = json.loads(text)
+        data["policy_dir"] = Path(policy_dir or data["policy_dir"])
+        return cls(**data)
+
+
+def bootstrap_dir(cache_dir: Path, spec: BootstrapSpec, seed: int) -> Path:
+    return cache_dir / "bootstrap" / f"{spec.task}-{spec.digest(seed)}"
+
+
+def load_cached(result_dir: Path) -> BootstrapReport | None:
+    """The report of a complete bootstrap in ``result_dir``, else None (missing or partial)."""
+    policy = result_dir / POLICY_SUBDIR
+    needed = [result_dir / REPORT_FILE] + [policy / name for name in (
+        "config.json", "model.safetensors", "tokenizer.json", "generation_config.json")]
+    if not all(p.is_file() for p in needed):
+        return None
+    try:
+        report = BootstrapReport.from_json((result_dir / REPORT_FILE).read_text(), policy)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return BootstrapReport(**{**asdict(report), "policy_dir": policy, "cached": True})
+
+
+def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int = 0,
+                  log: Log = print, spec: BootstrapSpec | None = None) -> BootstrapReport:
+    """Returns the cached bootstrap for (spec, seed) or trains, evaluates and caches a new one."""
+    spec = spec or BootstrapSpec()
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = bootstrap_dir(cache_dir, spec, seed)
+    if not force and (cached := load_cached(final)) is not None:
+        log(f"bootstrap policy (cached): {cached.policy_dir}")
+        return cached
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        report = _build(tmp, final, spec, seed, log)
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"bootstrap policy: {report.policy_dir}")
+    return report
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Renames ``tmp`` onto ``final``; an existing ``final`` (forced rerun, partial leftover) is
+    moved aside first. If another process published meanwhile, its complete result is kept."""
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, old / "x")
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if load_cached(final) is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(tmp: Path, final: Path, spec: BootstrapSpec, seed: int, log: Log) -> BootstrapReport:
+    start = time.perf_counter()
+    task = get_task(spec.task)
+    build_char_tokenizer(tmp / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
+    heldout_rng = random.Random(f"fastdraft-bootstrap-heldout-{seed}")
+    heldout = [task.sample(heldout_rng) for _ in range(spec.num_heldout)]
+    torch.manual_seed(seed)
+    model = CausalLM(model_config(spec))
+    init_weights(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"bootstrap: training a {num_params / 1e6:.2f}M-param {spec.task} policy for "
+        f"{spec.steps} steps on {torch.get_num_threads()} threads")
+    batches = batch_stream(task, tokenizer, spec, random.Random(f"fastdraft-bootstrap-{seed}"),
+                           frozenset(p.prompt for p in heldout))
+    trained = train_policy(model, batches, spec, log)
+
+    policy = tmp / POLICY_SUBDIR
+    save_model(model, policy, tokenizer_dir=tmp / "tokenizer")
+    shutil.rmtree(tmp / "tokenizer")
+    generation = {"bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+                  "eos_token_id": EOS_ID, "pad_token_id": tokenizer.pad_token_id,
+                  "do_sample": True, "temperature": 1.0}
+    (policy / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+    eval_start = time.perf_counter()
+    engine = RolloutEngine(policy, max_batch_size=spec.eval_batch_size,
+                           max_seq_len=spec.max_position_embeddings)
+    prompts = [encode_prompt(tokenizer, p.prompt) for p in heldout]
+    greedy = _evaluate(engine, tokenizer, task, heldout, prompts,
+                       SamplingParams(greedy=True, max_new_tokens=spec.max_new_tokens))
+    sampled = _evaluate(engine, tokenizer, task, heldout, prompts,
+                        SamplingParams(temperature=1.0, seed=seed,
+                                       max_new_tokens=spec.max_new_tokens))
+    eval_seconds = time.perf_counter() - eval_start
+    ref = length_percentiles([len(tokenizer.encode(p.solution)) + 1 for p in heldout])
+    report = BootstrapReport(
+        policy_dir=final / POLICY_SUBDIR, task=spec.task, seed=seed,
+        spec_digest=spec.digest(seed), spec=asdict(spec), num_params=num_params,
+        train_steps=spec.steps, train_tokens=trained.tokens,
+        final_loss=sum(trained.losses[-50:]) / len(trained.losses[-50:]),
+        train_seconds=trained.seconds, eval_seconds=eval_seconds,
+        total_seconds=time.perf_counter() - start, torch_threads=torch.get_num_threads(),
+        num_heldout=len(heldout), heldout_accuracy_greedy=greedy.accuracy,
+        heldout_accuracy_sampled=sampled.accuracy,
+        greedy_accuracy_by_terms=_accuracy_by_terms(heldout, greedy.correct),
+        sampled_truncated_fraction=sampled.truncated_fraction,
+        **_prefixed("greedy_length", greedy.length_percentiles),
+        **_prefixed("sampled_length", sampled.length_percentiles),
+        **_prefixed("reference_length", ref))
+    (tmp / REPORT_FILE).write_text(report.to_json())
+    log(f"bootstrap: greedy acc {greedy.accuracy:.3f} sampled acc {sampled.accuracy:.3f} "
+        f"by terms {report.greedy_accuracy_by_terms}; train {trained.seconds:.0f}s "
+        f"eval {eval_seconds:.0f}s total {report.total_seconds:.0f}s")
+    return report
+
+
+@dataclass(frozen=True, slots=True)
+class _Eval:
+    correct: list[bool]
+    lengths: list[int]
+    truncated_fraction: float
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct)
+
+    @property
+    def length_percentiles(self) -> dict[str, float]:
+        return length_percentiles(self.lengths)
+
+
+def _evaluate(engine: RolloutEngine, tokenizer: Any, task: Task, problems: Sequence[Problem],
+              prompts: list[list[int]], params: SamplingParams) -> _Eval:
+    completions = engine.generate(prompts, params, use_tqdm=False)
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    correct = [task.reward(p, t) == 1.0 for p, t in zip(problems, texts, strict=True)]
+    truncated = sum(c.finish_reason.value == "length" for c in completions) / len(completions)
+    return _Eval(correct, [len(c.token_ids) for c in completions], truncated)
+
+
+def _accuracy_by_terms(problems: Sequence[Problem], correct: Sequence[bool]) -> dict[str, float]:
+    """Greedy accuracy per term-count bucket (empty buckets omitted): shows the drop on long
+    problems. A modsum prompt of n terms has 2n characters."""
+    out: dict[str, float] = {}
+    for lo, hi in TERM_BUCKETS:
+        hits = [c for p, c in zip(problems, correct, strict=True) if lo <= len(p.prompt) // 2 <= hi]
+        if hits:
+            out[f"{lo}-{hi}"] = round(sum(hits) / len(hits), 4)
+    return out
+
+
+def _prefixed(prefix: str, percentiles: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}_{k}": v for k, v in percentiles.items()}

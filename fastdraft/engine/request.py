@@ -1,0 +1,63 @@
+"""A request's life in the engine (mutable, scheduler-owned) and the record it leaves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from fastdraft.engine.sampling_params import SamplingParams
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"        # a stop / EOS token was generated (it is included in token_ids)
+    LENGTH = "length"    # max_new_tokens reached, or the KV cache slot is full
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    index: int                       # position of the prompt in the generate() call
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+
+
+@dataclass(slots=True)
+class Request:
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    max_total_len: int               # prompt + generated tokens must fit the cache slot
+    generator: torch.Generator | None = None
+    slot: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append(self, token_id: int, logprob: float) -> bool:
+        """Records one generated token; returns True when the request just finished."""
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif (len(self.output_token_ids) >= self.params.max_new_tokens
+              or self.num_tokens >= self.max_total_len):
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None
+
+    def to_completion(self, policy_version: int) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(self.index, self.prompt_token_ids, self.output_token_ids,
+                          self.output_logprobs, self.finish_reason, policy_version)

@@ -1,0 +1,48 @@
+"""What the model needs to know about the KV cache and the attention pattern of one forward.
+
+The engine owns the cache tensors; the model only reads and writes them through a KVView. Shapes
+are static per batch bucket (no per-request Python lists), so a captured CUDA graph can replay them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVView:
+    """Slot KV cache: k[i], v[i] are layer i's [num_slots, num_kv_heads, max_seq_len, head_dim].
+
+    slot_ids: [B] long, the cache slot of each batch row. When the rows use the consecutive slots
+    slot_start .. slot_start+B-1, reads are views instead of gathers.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    slot_ids: torch.Tensor
+    slot_start: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttnMeta:
+    """cache_positions: [B, T] long, where each new token's K/V is written in its slot (equals the
+    RoPE position for plain prefill/decode; differs for draft-tree nodes).
+    mask: [B, T, ctx_len] bool, True where query t may attend cache position s (< ctx_len).
+    Without a KV cache (training), mask is [B, T, T] over the batch's own tokens, or None = causal.
+    """
+
+    mask: torch.Tensor | None
+    cache_positions: torch.Tensor | None = None
+
+    @property
+    def ctx_len(self) -> int:
+        assert self.mask is not None
+        return self.mask.shape[-1]
+
+
+def causal_cache_meta(positions: torch.Tensor, ctx_len: int) -> AttnMeta:
+    """Plain prefill/decode: token at position p sees cache positions 0..p of its own slot."""
+    cols = torch.arange(ctx_len, device=positions.device)
+    return AttnMeta(mask=cols.view(1, 1, -1) <= positions.unsqueeze(-1), cache_positions=positions)

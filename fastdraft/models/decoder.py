@@ -1,0 +1,66 @@
+"""CausalLM: the one decoder used by the rollout engine, the actor trainer and (through
+DecoderLayer) the drafter. Module tree and parameter names mirror HF's *ForCausalLM."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastdraft.models.attn_meta import AttnMeta, KVView
+from fastdraft.models.config import ModelConfig
+from fastdraft.models.layers import DecoderLayer, RMSNorm
+from fastdraft.models.rope import RotaryEmbedding
+
+
+class HiddenStates(NamedTuple):
+    final: torch.Tensor               # [B, T, H] after the final norm (what lm_head reads)
+    aux: tuple[torch.Tensor, ...]     # inputs of the requested layers, each [B, T, H]
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.max_position_embeddings,
+                                    max_positions or cfg.max_position_embeddings)
+
+    def tie_weights(self) -> None:
+        """Tied checkpoints store one matrix; re-tie after anything that rebuilds parameters."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv: KVView | None = None, attn: AttnMeta | None = None, *,
+                logit_index: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
+        """input_ids, positions: [B, T] -> (logits, hidden).
+
+        logit_index: [B, K] token indices whose logits are wanted (e.g. the last prompt token in
+        prefill); default all T. hidden.final is always [B, T, H] so drafters can read any token.
+        aux_layers: layer indices whose *inputs* are returned (EAGLE-3 features).
+        """
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rope(positions, h.dtype)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                aux.append(h)
+            h = layer(h, rope, kv, attn)
+        final = self.model.norm(h)
+        picked = final if logit_index is None else torch.gather(
+            final, 1, logit_index.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
+        return self.lm_head(picked), HiddenStates(final, tuple(aux))

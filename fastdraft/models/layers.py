@@ -1,0 +1,140 @@
+"""Decoder building blocks. HF parameter names (q_proj, gate_proj, input_layernorm, ...) are kept
+so checkpoints load, save and push with no renaming; the drafter reuses DecoderLayer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdraft.models.attn_meta import AttnMeta, KVView
+from fastdraft.models.config import ModelConfig
+from fastdraft.models.packing import pack_linears
+from fastdraft.models.rope import RopeTable, rotate
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations, then cast back.
+        if x.dtype == torch.float32:
+            return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, input_size: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        in_size = input_size or cfg.hidden_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(in_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(in_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(in_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.has_qk_norm = cfg.qk_norm
+        self.packed_qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack_for_inference(self) -> None:
+        self.packed_qkv = pack_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def _qkv(self, x: torch.Tensor, rope: RopeTable
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, in] -> rotated q [B, T, Hq, D], rotated k and v [B, T, Hkv, D]."""
+        bsz, seq_len, _ = x.shape
+        nq, nkv = self.num_heads, self.num_kv_heads
+        if self.packed_qkv is not None and not torch.is_grad_enabled():
+            qkv = F.linear(x, *self.packed_qkv).view(bsz, seq_len, nq + 2 * nkv, self.head_dim)
+            if not self.has_qk_norm:  # rotate q and k in one go
+                qk = rotate(qkv[:, :, : nq + nkv], rope)
+                return qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nkv:]
+            q, k, v = qkv.split([nq, nkv, nkv], dim=2)
+        else:
+            q = self.q_proj(x).view(bsz, seq_len, nq, self.head_dim)
+            k = self.k_proj(x).view(bsz, seq_len, nkv, self.head_dim)
+            v = self.v_proj(x).view(bsz, seq_len, nkv, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotate(q, rope), rotate(k, rope), v
+
+    def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
+                attn: AttnMeta | None) -> torch.Tensor:
+        """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]."""
+        bsz, seq_len, _ = x.shape
+        q, k, v = self._qkv(x, rope)
+        mask = attn.mask if attn is not None else None
+        if kv is None:
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            assert attn is not None and attn.cache_positions is not None
+            keys, values = _write_and_read(kv, self.layer_idx, k, v, attn)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values,
+            attn_mask=None if mask is None else mask.unsqueeze(1),
+            is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+                    attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stores the new K/V in each row's slot, returns [B, Hkv, ctx_len, D] keys and values."""
+    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
+    rows = kv.slot_ids.unsqueeze(1)
+    k_cache[rows, :, attn.cache_positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, attn.cache_positions] = v.to(v_cache.dtype)
+    ctx_len = attn.ctx_len
+    if kv.slot_start is not None:
+        rows_slice = slice(kv.slot_start, kv.slot_start + k.shape[0])
+        return k_cache[rows_slice, :, :ctx_len], v_cache[rows_slice, :, :ctx_len]
+    return k_cache[kv.slot_ids, :, :ctx_len], v_cache[kv.slot_ids, :, :ctx_len]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.packed_gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack_for_inference(self) -> None:
+        self.packed_gate_up = pack_linears([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_gate_up is not None and not torch.is_grad_enabled():
+            gate, up = F.linear(x, *self.packed_gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. `input_norm=False` gives the EAGLE-1 drafter's layer."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, input_norm: bool = True,
+                 attn_input_size: int | None = None) -> None:
+        super().__init__()
+        if input_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.has_input_norm = input_norm
+        self.self_attn = Attention(cfg, layer_idx, attn_input_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
+                attn: AttnMeta | None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, attn_input_size]; residual defaults to x (differs when x is a concat)."""
+        residual = x if residual is None else residual
+        h = self.input_layernorm(x) if self.has_input_norm else x
+        h = residual + self.self_attn(h, rope, kv, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,86 @@
+"""Local prompt datasets: load JSONL / parquet prompt files, write JSONL atomically.
+
+Real recipes read prompts from local files through ``datasets``' packaged json and parquet
+builders. Only local paths are accepted, and the files are read with ``Dataset.from_json`` /
+``Dataset.from_parquet`` (the same builders ``load_dataset("json", data_files=...)`` runs) because
+``load_dataset`` also pings the hub to count downloads unless HF_HUB_OFFLINE is set; this way
+loading never touches the network, whatever the environment says. Rows come back as plain
+dicts with canonical ``prompt`` (and ``answer``) keys so the RL loop does not care how the user
+named the columns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+#: File suffix -> ``datasets`` builder name.
+SUPPORTED_SUFFIXES: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def load_prompts(
+    path: str | Path,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    split: str = "train",
+) -> list[dict[str, Any]]:
+    """Load prompt rows from a local ``.jsonl``/``.json``/``.parquet`` file.
+
+    Each row keeps all its columns and gains ``"prompt"`` (= ``row[prompt_key]``) and, when
+    ``answer_key`` is given, ``"answer"`` (= ``row[answer_key]``); these overwrite columns of the
+    same name. ``split`` names the split the file is loaded as (one file = one split).
+    """
+    file = Path(path)
+    builder = SUPPORTED_SUFFIXES.get(file.suffix.lower())
+    if builder is None:
+        raise ValueError(
+            f"unsupported prompt file {str(file)!r}: use one of {sorted(SUPPORTED_SUFFIXES)}"
+        )
+    if not file.is_file():
+        raise FileNotFoundError(f"prompt file not found: {str(file)!r}")
+
+    import datasets  # deferred: importing datasets costs ~1 s and only this function needs it
+
+    read = getattr(datasets.Dataset, f"from_{builder}")  # from_json / from_parquet
+    dataset = read(str(file), split=split)
+    columns = list(dataset.column_names)
+    for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+        if key is not None and key not in columns:
+            raise ValueError(
+                f"{role}={key!r} is not a column of {str(file)!r}: available columns {columns}"
+            )
+    if len(dataset) == 0:
+        raise ValueError(f"prompt file {str(file)!r} has no rows")
+    rows: list[dict[str, Any]] = []
+    for row in dataset:
+        out = dict(row)
+        out["prompt"] = row[prompt_key]
+        if answer_key is not None:
+            out["answer"] = row[answer_key]
+        rows.append(out)
+    return rows
+
+
+def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | Path) -> None:
+    """Write ``rows`` as JSON lines, atomically: readers see the old file or the whole new one.
+
+    Writes a temporary file in the destination directory (same filesystem, so ``os.replace`` is
+    atomic), fsyncs it, then renames it over ``path``. Parent directories are created.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, dest)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise

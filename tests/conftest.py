@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random HF checkpoints (no downloads), one per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+
+def make_tiny_checkpoint(path, model_type: str = "qwen2", vocab_size: int = 64, seed: int = 0,
+                         **overrides) -> transformers.PreTrainedModel:
+    configs = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+               "qwen3": transformers.Qwen3Config}
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=1, bos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    cfg = configs[model_type](**{**kwargs, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sharper logits than the 0.02 init, so outputs vary with the prompt
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    hf = make_tiny_checkpoint(path)
+    return path, hf
