@@ -27,12 +27,28 @@ def resolve_model(model: Path | None, cache_dir: Path | None) -> Path:
     return run_bootstrap(cache_dir).policy_dir
 
 
-def heldout_prompts(model_dir: Path, n: int, seed: int = 0
+def default_drafter_dir(policy_dir: Path, kind: str) -> Path:
+    return policy_dir.parent / f"drafter-{kind}"
+
+
+def prompt_ids(model_dir: Path, prompts_file: Path | None, n: int, seed: int = 0,
+               heldout: bool = True) -> list[list[int]]:
+    """Up to n prompts as token ids: from a local JSONL/parquet file, else task problems."""
+    if prompts_file is None:
+        return [ids for ids, _, _ in heldout_prompts(model_dir, n, seed, heldout)]
+    from fastdraft.rl.data import load_prompts
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.encode(r["prompt"], add_special_tokens=False)
+            for r in load_prompts(prompts_file)[:n]]
+
+
+def heldout_prompts(model_dir: Path, n: int, seed: int = 0, heldout: bool = True
                     ) -> list[tuple[list[int], str, Problem]]:
-    """n task problems as (token ids, prompt text, problem) with the policy's own tokenizer."""
+    """n task problems as (token ids, prompt text, problem) with the policy's own tokenizer;
+    heldout=False draws from the training seeds instead (drafter warm-up data)."""
     from fastdraft.bootstrap.policy import encode_prompt
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rng = random.Random(HELDOUT_SEED_OFFSET + seed)
+    rng = random.Random((HELDOUT_SEED_OFFSET if heldout else 0) + seed)
     task = get_task("modsum")
     problems = [task.sample(rng) for _ in range(n)]
     return [(encode_prompt(tokenizer, p.prompt), p.prompt, p) for p in problems]

@@ -188,10 +188,15 @@ def lr_at(step: int, spec: BootstrapSpec) -> float:
 
 
 def loss_on(model: CausalLM, batch: Batch) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (solution + EOS) tokens."""
+    """Next-token cross-entropy on the labelled (solution + EOS) tokens, averaged per sequence
+    and then over the batch: every problem weighs the same, so the many short problems (which
+    teach the digit arithmetic fastest and dominate accuracy) are not drowned out by the token
+    mass of the rare long ones."""
     logits, _ = model(batch.input_ids, batch.positions)
-    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
-                           ignore_index=IGNORE_INDEX)
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX,
+                                reduction="none")  # [B, T], 0 where ignored
+    counts = (batch.labels != IGNORE_INDEX).sum(1).clamp(min=1)
+    return (per_token.sum(1) / counts).mean()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.models import CausalLM, KVView, causal_cache_meta
+from fastdraft.engine.spec.tree import DraftTree
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
 from fastdraft.models.packing import pack_for_inference
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_slots: int, max_seq_len: int) -> None:
+    def __init__(self, model: CausalLM, num_slots: int, cache_len: int) -> None:
         self.model = pack_for_inference(model)
         cfg = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_seq_len = max_seq_len
-        shape = (num_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        self.cache_len = cache_len
+        shape = (num_slots, cfg.num_key_value_heads, cache_len, cfg.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                         for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -29,18 +30,21 @@ class ModelRunner:
         return KVView(self.k_cache, self.v_cache, slot_ids, start if is_range else None)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Right-padded batched prefill; returns the last prompt token's logits [B, V]. Padding
-        writes junk K/V past each prompt's end, which decode overwrites before anything reads it."""
+    def prefill(self, prompts: list[list[int]], slots: list[int], aux_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, HiddenStates]:
+        """Right-padded batched prefill -> (last prompt token's logits [B, V], hidden states of
+        every prompt token [B, T, H]). Padding writes junk K/V past each prompt's end, which
+        decode overwrites before anything reads it."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
         positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
         last = torch.tensor([[len(p) - 1] for p in prompts], device=self.device)
-        logits, _ = self.model(ids.to(self.device), positions, self._kv(slots),
-                               causal_cache_meta(positions, width), logit_index=last)
-        return logits[:, 0]
+        logits, hidden = self.model(ids.to(self.device), positions, self._kv(slots),
+                                    causal_cache_meta(positions, width), logit_index=last,
+                                    aux_layers=aux_layers)
+        return logits[:, 0], hidden
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], slots: list[int]
@@ -51,3 +55,40 @@ class ModelRunner:
         logits, _ = self.model(ids, pos, self._kv(slots),
                                causal_cache_meta(pos, max(positions) + 1))
         return logits[:, 0]
+
+    @torch.inference_mode()
+    def verify(self, root_ids: list[int], root_pos: list[int], trees: list[DraftTree],
+               slots: list[int], aux_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, HiddenStates]:
+        """One policy forward over [root, tree nodes] per request -> (logits [B, 1 + N, V],
+        hidden [B, 1 + N, H]). Root at its position; node i at root_pos + depth(i), its K/V in
+        the scratch cells root_pos + 1 + i; each node sees the context and its own ancestors."""
+        batch, width = len(trees), 1 + max(t.num_nodes for t in trees)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        pos = torch.zeros(batch, width, dtype=torch.long)
+        cache_pos = torch.zeros(batch, width, dtype=torch.long)
+        ctx_len = max(root_pos) + width
+        mask = torch.zeros(batch, width, ctx_len, dtype=torch.bool)
+        for b, (tree, p) in enumerate(zip(trees, root_pos)):
+            n = tree.num_nodes
+            ids[b, 0], pos[b, :], mask[b, :, : p + 1] = root_ids[b], p, True
+            cache_pos[b] = torch.arange(p, p + width)
+            if n:
+                ids[b, 1 : n + 1] = tree.tokens.cpu()
+                pos[b, 1 : n + 1] = p + tree.depths()
+                mask[b, 1 : n + 1, p + 1 : p + 1 + n] = tree.ancestor_mask()
+        dev = self.device
+        logits, hidden = self.model(ids.to(dev), pos.to(dev), self._kv(slots),
+                                    AttnMeta(mask.to(dev), cache_positions=cache_pos.to(dev)),
+                                    aux_layers=aux_layers)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def compact(self, slots: list[int], src: list[int], dst: list[int]) -> None:
+        """Moves accepted tree nodes' K/V from their scratch cells to their final positions."""
+        if not src:
+            return
+        s = torch.tensor(slots, device=self.device)
+        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[s, :, dst_t] = cache[s, :, src_t]

@@ -8,6 +8,7 @@ from enum import StrEnum
 import torch
 
 from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.spec.stats import SpecStats
 
 
 class FinishReason(StrEnum):
@@ -23,6 +24,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     policy_version: int
+    drafter_version: int | None = None
+    spec: SpecStats | None = None    # None when the engine does not speculate
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +61,13 @@ class Request:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None
 
-    def to_completion(self, policy_version: int) -> Completion:
+    def extend(self, token_ids: list[int], logprobs: list[float]) -> bool:
+        """Appends tokens up to the first that finishes the request; True when it finished."""
+        return any(self.append(t, lp) for t, lp in zip(token_ids, logprobs))
+
+    def to_completion(self, policy_version: int, drafter_version: int | None = None,
+                      with_spec: bool = False) -> Completion:
         assert self.finish_reason is not None
         return Completion(self.index, self.prompt_token_ids, self.output_token_ids,
-                          self.output_logprobs, self.finish_reason, policy_version)
+                          self.output_logprobs, self.finish_reason, policy_version,
+                          drafter_version, self.spec if with_spec else None)

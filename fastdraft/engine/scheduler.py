@@ -80,10 +80,11 @@ class Scheduler:
             raise RuntimeError("schedule() called with no work")
         return ScheduledBatch(Phase.DECODE, list(self.running))
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
-                    logprobs: list[float]) -> list[Request]:
-        """Appends one sampled token per request; returns those that finished (slots freed)."""
-        finished = [r for r, t, lp in zip(batch.requests, token_ids, logprobs) if r.append(t, lp)]
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[list[int]],
+                    logprobs: list[list[float]]) -> list[Request]:
+        """Appends each request's new tokens (one when decoding, accepted + bonus when
+        speculating); returns the requests that finished (their slots are freed)."""
+        finished = [r for r, t, lp in zip(batch.requests, token_ids, logprobs) if r.extend(t, lp)]
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

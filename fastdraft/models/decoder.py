@@ -51,16 +51,16 @@ class CausalLM(nn.Module):
 
         logit_index: [B, K] token indices whose logits are wanted (e.g. the last prompt token in
         prefill); default all T. hidden.final is always [B, T, H] so drafters can read any token.
-        aux_layers: layer indices whose *inputs* are returned (EAGLE-3 features).
+        aux_layers: layer indices whose *inputs* are returned, in this order (EAGLE-3).
         """
         h = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                aux.append(h)
+                captured[i] = h
             h = layer(h, rope, kv, attn)
         final = self.model.norm(h)
         picked = final if logit_index is None else torch.gather(
             final, 1, logit_index.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
-        return self.lm_head(picked), HiddenStates(final, tuple(aux))
+        return self.lm_head(picked), HiddenStates(final, tuple(captured[i] for i in aux_layers))

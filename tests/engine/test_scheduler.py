@@ -33,16 +33,18 @@ def test_prefill_then_decode_and_refill_freed_slots():
     batch = sched.schedule()
     assert batch.phase is Phase.PREFILL and batch.requests == reqs[:2]
     assert [r.slot for r in reqs[:2]] == [0, 1]
-    finished = sched.postprocess(batch, [5, 5], [-0.1, -0.2])
+    finished = sched.postprocess(batch, [[5], [5]], [[-0.1], [-0.2]])
     assert finished == [reqs[0]] and reqs[0].finish_reason is FinishReason.LENGTH
     batch = sched.schedule()  # slot 0 is free again: the waiting request is prefilled at once
     assert batch.phase is Phase.PREFILL and batch.requests == [reqs[2]] and reqs[2].slot == 0
-    sched.postprocess(batch, [5], [0.0])
+    sched.postprocess(batch, [[5]], [[0.0]])
     batch = sched.schedule()
     assert batch.phase is Phase.DECODE and batch.requests == [reqs[1], reqs[2]]
-    finished = sched.postprocess(batch, [1, 5], [0.0, 0.0])  # token 1 = EOS for request 1
+    # token 1 = EOS for request 1; request 2 takes one of its two tokens and hits max_new_tokens
+    finished = sched.postprocess(batch, [[1], [5, 5]], [[0.0], [0.0, 0.0]])
     assert finished == [reqs[1], reqs[2]]
     assert reqs[1].finish_reason is FinishReason.STOP and reqs[1].output_token_ids == [5, 1]
+    assert reqs[2].output_token_ids == [5, 5]
     assert not sched.has_work and sched.slots.num_free == 2
 
 

@@ -1,0 +1,82 @@
+"""The drafter contract shared by EAGLE-1 and EAGLE-3, and the registry of drafter kinds.
+
+A drafter borrows the policy's frozen token embedding and lm_head (never copies them, never saves
+them) and owns only its trainable layers. One call of `step` maps (features, next token) pairs to
+the next features and the draft logits, for any positions and attention pattern (draft trees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, ModelConfig
+from fastdraft.models.rope import RotaryEmbedding
+
+
+class Drafter(nn.Module):
+    kind: ClassVar[str]
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.max_position_embeddings, max_positions)
+        # Borrowed from the policy by attach(); kept out of state_dict and parameters().
+        self._borrowed: dict[str, nn.Module] = {}
+
+    def attach(self, policy: CausalLM) -> Drafter:
+        """Shares the policy's embedding and lm_head (frozen for the drafter)."""
+        pc, dc = policy.config, self.config
+        for field in ("hidden_size", "vocab_size"):
+            if getattr(pc, field) != getattr(dc, field):
+                raise ValueError(f"drafter {field}={getattr(dc, field)} does not match the "
+                                 f"policy's {field}={getattr(pc, field)}: train or export a "
+                                 "drafter for this policy")
+        self._borrowed = {"embed_tokens": policy.model.embed_tokens, "lm_head": policy.lm_head}
+        return self
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Policy layers whose inputs the drafter reads (EAGLE-3); () = final hidden only."""
+        return ()
+
+    # Detached: drafter gradients must never reach (or accumulate on) the policy's weights.
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self._borrowed["embed_tokens"].weight.detach())
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._borrowed["lm_head"].weight.detach())
+
+    def target_features(self, hidden: HiddenStates) -> torch.Tensor:
+        """[B, T, H] features of the policy's own tokens, the drafter's input at those tokens."""
+        raise NotImplementedError
+
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+             kv: KVView | None = None, attn: AttnMeta | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, T, H] (of token t), input_ids [B, T] (token t + 1), positions [B, T]
+        (of token t + 1) -> (features predicted for token t + 1 [B, T, H], logits [B, T, V] for
+        token t + 2)."""
+        raise NotImplementedError
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(kind: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        cls.kind = kind
+        DRAFTERS[kind] = cls
+        return cls
+    return wrap
+
+
+def build_drafter(kind: str, cfg: ModelConfig, max_positions: int) -> Drafter:
+    if kind not in DRAFTERS:
+        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
+    return DRAFTERS[kind](cfg, max_positions)

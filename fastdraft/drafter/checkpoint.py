@@ -1,0 +1,70 @@
+"""Drafter checkpoints: `drafter_config.json` (kind + the policy shape it was trained for) and
+`model.safetensors` (trainable tensors only; embedding and lm_head belong to the policy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fastdraft.drafter.base import Drafter, build_drafter
+from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
+
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "model.safetensors"
+# What must agree between a drafter and the policy it serves.
+_MATCH_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = None) -> None:
+    """Atomic: written to a temp dir beside out_dir, then renamed into place."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(), **(extra or {})}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Drafter:
+    """Loads a drafter for `policy`, refusing one trained for a differently shaped policy."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path / CONFIG_FILE} not found: --drafter takes a directory "
+                                "written by `fastdraft drafter warmup` (or save_drafter)")
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    trained_for = ModelConfig.from_hf_dict(meta["policy_config"])
+    mismatches = [f"{f}: drafter {getattr(trained_for, f)} vs policy {getattr(policy.config, f)}"
+                  for f in _MATCH_FIELDS
+                  if getattr(trained_for, f) != getattr(policy.config, f)]
+    if mismatches:
+        raise ValueError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
+                         "train a drafter for this policy with `fastdraft drafter warmup`")
+    param = next(policy.parameters())
+    drafter = build_drafter(meta["kind"], policy.config, max_positions)
+    drafter = drafter.to(device=param.device, dtype=param.dtype).attach(policy)
+    named = load_file(str(path / WEIGHTS_FILE), device=str(param.device))
+    load_named_tensors(drafter, named.items())
+    missing = {n for n, _ in drafter.named_parameters()} - set(named)
+    if missing:
+        raise ValueError(f"drafter {path} lacks weights {sorted(missing)[:3]}")
+    return drafter.eval()
+
+
+def trainable_named_tensors(drafter: Drafter) -> list[tuple[str, torch.Tensor]]:
+    """What a published drafter version carries (embedding/lm_head are the policy's)."""
+    return [(n, p.detach()) for n, p in drafter.named_parameters()]

@@ -1,0 +1,51 @@
+"""EAGLE-3 drafter: fc over the inputs of policy layers [2, L//2, L-3]; one layer whose attention
+reads concat(input_layernorm(embed(x)), hidden_norm(h)); trained with a training-time test (the
+drafter's own outputs fed back for k steps)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastdraft.drafter.base import Drafter, register_drafter
+from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
+from fastdraft.models.layers import DecoderLayer, RMSNorm
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The default capture SGLang and vLLM both read the same way; clamped for tiny policies."""
+    return tuple(min(max(i, 0), num_layers - 1)  # type: ignore[return-value]
+                 for i in (2, num_layers // 2, num_layers - 3))
+
+
+@register_drafter("eagle3")
+class Eagle3Drafter(Drafter):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        h = cfg.hidden_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = DecoderLayer(cfg, 0, input_norm=True, attn_input_size=2 * h)
+        self.midlayer.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return eagle3_aux_layers(self.config.num_hidden_layers)
+
+    def target_features(self, hidden: HiddenStates) -> torch.Tensor:
+        if len(hidden.aux) != 3:
+            raise ValueError("EAGLE-3 needs the policy's aux hidden states: run the policy "
+                             f"with aux_layers={self.aux_layers}")
+        return self.fc(torch.cat(hidden.aux, -1).to(self.fc.weight.dtype))
+
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+             kv: KVView | None = None, attn: AttnMeta | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.midlayer
+        emb = layer.input_layernorm(self.embed(input_ids))
+        x = torch.cat([emb, layer.hidden_norm(features)], -1)
+        # The layer's own input norm is applied above (to the embedding half only).
+        rope = self.rope(positions, x.dtype)
+        h = features + layer.self_attn(x, rope, kv, attn)
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return out, self.lm_head(self.norm(out))

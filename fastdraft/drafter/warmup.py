@@ -1,0 +1,131 @@
+"""`fastdraft drafter warmup`: train a drafter offline on the policy's own rollouts and hidden
+states (TLT's warm-up step), so speculation starts from a useful drafter."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fastdraft.drafter.base import Drafter, build_drafter
+from fastdraft.drafter.checkpoint import save_drafter
+from fastdraft.drafter.losses import drafter_loss
+from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.models import CausalLM, load_model
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WarmupConfig:
+    kind: str = "eagle1"
+    num_rollouts: int = 2048
+    rollout_temperature: float = 1.0
+    max_new_tokens: int = 160
+    steps: int = 1500
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WarmupConfig.{name} must be >= 1")
+        if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
+            raise ValueError("lr must be > 0 and warmup_steps in [0, steps)")
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    drafter_dir: Path
+    kind: str
+    num_rollouts: int
+    train_tokens: int
+    rollout_seconds: float
+    train_seconds: float
+    final_loss: float
+    final_top1_acc: float
+
+
+def collect_rollouts(policy: CausalLM, prompts: list[list[int]], cfg: WarmupConfig
+                     ) -> list[list[int]]:
+    """prompt + completion token ids sampled from the policy itself."""
+    max_len = max(map(len, prompts)) + cfg.max_new_tokens + 1
+    engine = RolloutEngine.from_model(policy, max_batch_size=64, max_seq_len=max_len)
+    params = SamplingParams(temperature=cfg.rollout_temperature, seed=cfg.seed,
+                            max_new_tokens=cfg.max_new_tokens)
+    return [c.prompt_token_ids + c.token_ids for c in engine.generate(prompts, params)]
+
+
+def _batches(seqs: list[list[int]], batch_size: int, rng: random.Random):
+    """Endless length-bucketed right-padded batches: (input_ids [B, T], valid [B, T])."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    chunks = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    while True:
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            width = max(len(seqs[i]) for i in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            valid = torch.zeros(len(chunk), width, dtype=torch.bool)
+            for row, i in enumerate(chunk):
+                ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+                valid[row, : len(seqs[i])] = True
+            yield ids, valid
+
+
+def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg: WarmupConfig,
+                  log: Log = print) -> tuple[int, dict[str, float]]:
+    """AdamW + warmup/cosine over the rollouts; returns (tokens seen, last logged metrics)."""
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
+    batches = _batches(seqs, cfg.batch_size, random.Random(cfg.seed))
+    drafter.train()
+    tokens, window = 0, []
+    metrics: dict[str, float] = {}
+    for step in range(cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        progress = max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        ids, valid = next(batches)
+        with torch.no_grad():
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+            _, hidden = policy(ids, positions, aux_layers=drafter.aux_layers)
+        loss, m = drafter_loss(drafter, ids, hidden, valid, policy.lm_head)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        tokens += int(valid.sum())
+        window.append(m)
+        if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
+            metrics = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+            log(f"drafter step {step + 1}/{cfg.steps} " +
+                " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            window = []
+    drafter.eval()
+    return tokens, metrics
+
+
+def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
+                   cfg: WarmupConfig = WarmupConfig(), log: Log = print) -> WarmupReport:
+    torch.manual_seed(cfg.seed)
+    policy = load_model(policy_dir, max_positions=max(map(len, prompts)) + cfg.max_new_tokens + 2)
+    for p in policy.parameters():
+        p.requires_grad_(False)
+    start = time.perf_counter()
+    seqs = collect_rollouts(policy, prompts, cfg)
+    rollout_s = time.perf_counter() - start
+    log(f"collected {len(seqs)} rollouts ({sum(map(len, seqs))} tokens) in {rollout_s:.1f}s")
+    drafter = build_drafter(cfg.kind, policy.config, policy.rope.cos.shape[0]).attach(policy)
+    start = time.perf_counter()
+    tokens, metrics = train_drafter(drafter, policy, seqs, cfg, log)
+    train_s = time.perf_counter() - start
+    save_drafter(drafter, out_dir, extra={"warmup": asdict(cfg)})
+    return WarmupReport(Path(out_dir), cfg.kind, len(seqs), tokens, rollout_s, train_s,
+                        metrics.get("loss", math.nan), metrics.get("top1_acc", math.nan))

@@ -1,0 +1,76 @@
+"""The one definition of "the distribution a token is sampled from", shared by target and draft.
+
+Speculative sampling is lossless only if the target distribution p that verification checks
+against is exactly the distribution plain sampling would draw from, and if the draft distribution
+q the proposer drew from is the one verification divides by. Both therefore come from
+`processed_probs`: softmax(filter_top_k_top_p(logits / T)), the same steps as `sampler.sample`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastdraft.engine.sampler import filter_top_k_top_p
+from fastdraft.engine.sampling_params import SamplingParams
+
+
+def _as_float(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 -> fp32 (probabilities need the precision); fp64 stays fp64 (tests)."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probs [..., V] that plain sampling with `params` draws from.
+
+    Greedy params give the one-hot argmax (ties: the first maximum, as torch.argmax).
+    """
+    logits = _as_float(logits)
+    if params.is_greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    scaled = logits / params.temperature
+    if params.top_k > 0 or params.top_p < 1:
+        vocab = scaled.shape[-1]
+        flat = scaled.reshape(-1, vocab)
+        rows = flat.shape[0]
+        top_k = min(params.top_k, vocab) if params.top_k > 0 else vocab
+        scaled = filter_top_k_top_p(
+            flat,
+            torch.full((rows,), top_k, device=flat.device),
+            torch.full((rows,), params.top_p, device=flat.device, dtype=flat.dtype),
+        ).reshape(scaled.shape)
+    return scaled.softmax(dim=-1)
+
+
+def policy_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> log-softmax(logits / T) [..., V], T = 1 for greedy.
+
+    What the engine reports per token: the policy's own log-probability, before top-k / top-p
+    filtering (the same convention as `sampler.sample`), so RL importance ratios stay correct.
+    """
+    logits = _as_float(logits)
+    temperature = 1.0 if params.is_greedy else params.temperature
+    return (logits / temperature).log_softmax(dim=-1)
+
+
+def conditioned_gumbel_keys(log_q: torch.Tensor, parent_key: torch.Tensor,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Perturbed keys of the children of tree nodes, conditioned so that their max == parent key.
+
+    log_q [..., V] (draft log-probs, -inf = excluded), parent_key [...] -> keys [..., V].
+    This is the top-down Gumbel of Stochastic Beam Search (Kool et al., 2019): keys are
+    Gumbel(parent_key + log q) conditioned on max = parent_key. Sorting the keys gives the
+    children in the order of sampling without replacement from q (the is_sampled contract),
+    and keys never increase along a path, so a global top-M of nodes by key is automatically a
+    tree in which every node's kept children are a prefix of its draw order. A proposer that
+    prunes a sampled tree by key must use these keys: with the naive cumulative key
+    (parent key + log q + fresh Gumbel) the pruned tree is NOT lossless under verification.
+    """
+    gumbel = -torch.empty_like(log_q).exponential_(generator=generator).log()
+    keys = parent_key.unsqueeze(-1) + log_q + gumbel
+    top = keys.amax(dim=-1, keepdim=True)
+    # keys' = -log(exp(-T) - exp(-Z) + exp(-keys)) computed stably (Kool et al. appendix B).
+    v = parent_key.unsqueeze(-1) - keys + torch.log1p(-torch.exp(keys - top))
+    out = parent_key.unsqueeze(-1) - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
+    # The maximum itself maps exactly to the parent key (log1p(-1) = -inf above gives that).
+    out = torch.where(keys == top, parent_key.unsqueeze(-1).expand_as(out), out)
+    return torch.where(torch.isneginf(log_q), torch.full_like(out, float("-inf")), out)

@@ -1,0 +1,52 @@
+"""The engine-facing wrapper of the model-free suffix drafter: feeds it each request's prompt and
+committed tokens, and every finished rollout as a source for later rollouts of the same prompt."""
+
+from __future__ import annotations
+
+from fastdraft.engine.request import Request
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
+from fastdraft.engine.spec.suffix import SuffixConfig, SuffixDrafter
+from fastdraft.engine.spec.tree import DraftTree
+
+
+@register_proposer("suffix")
+class SuffixProposer(Proposer):
+    source_id = 1
+
+    def __init__(self, *, suffix: SuffixConfig | None = None, **_: object) -> None:
+        self.drafter = SuffixDrafter(suffix or SuffixConfig())
+        self._started: set[int] = set()
+        self.step = 0
+
+    @staticmethod
+    def _key(request: Request) -> int:
+        return id(request)
+
+    def on_commit(self, committed: list[Committed]) -> None:
+        for c in committed:
+            key = self._key(c.request)
+            if key not in self._started:
+                self.drafter.start(key, tuple(c.request.prompt_token_ids),
+                                   c.request.prompt_token_ids)
+                self._started.add(key)
+                # Prefill commits prompt[1:] + the first token; only the latter is new text.
+                self.drafter.extend(key, c.request.output_token_ids)
+            else:
+                self.drafter.extend(key, c.token_ids)
+
+    def propose(self, requests: list[Request], cfg: SpecConfig) -> list[DraftTree]:
+        return [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
+                if self._key(r) in self._started else DraftTree.empty() for r in requests]
+
+    def on_finish(self, request: Request) -> None:
+        key = self._key(request)
+        if key in self._started:
+            self.drafter.finish(key)
+            self._started.discard(key)
+        self.drafter.add_rollout(tuple(request.prompt_token_ids), request.output_token_ids,
+                                 self.step)
+
+    def advance_step(self, step: int) -> None:
+        self.step = step
+        self.drafter.advance_step(step)

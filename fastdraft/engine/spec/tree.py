@@ -1,0 +1,85 @@
+"""DraftTree: what every proposer returns and what verification consumes, for ONE request.
+
+Node i (0 <= i < num_nodes) holds a drafted token; its parent is another node or the root (-1).
+The root is the request's last committed token (not yet run through the policy). Siblings are
+listed in the order verification must try them (for sampled children: the order they were drawn).
+
+Draft distributions: `parent_probs[j]` is the draft distribution q the children of parent j were
+taken from, with row 0 = the root and row i + 1 = node i; rows of parents that have no children
+are unused. A parent whose children were *sampled without replacement* from q has
+`is_sampled[j] = True`; verification then accepts child x with min(1, p(x) / q(x)). Children that
+were *chosen* (greedy top-k, a model-free suffix match) have `is_sampled[j] = False` and are
+verified as point masses (accept x with p(x)), which is lossless for any deterministic choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: torch.Tensor                    # [N] long
+    parents: torch.Tensor                   # [N] long, ROOT or an earlier node index (< i)
+    parent_probs: torch.Tensor | None       # [N + 1, V] float, see module doc; None = all chosen
+    is_sampled: torch.Tensor | None         # [N + 1] bool; None = all False
+    sources: torch.Tensor | None = None     # [N] int8 proposer id per node (stats)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        assert self.parents.shape == (n,), "parents must be [N]"
+        if n:
+            idx = torch.arange(n)
+            assert bool(((self.parents >= ROOT) & (self.parents < idx)).all()), \
+                "a node's parent must be the root or an earlier node"
+        if self.parent_probs is not None:
+            assert self.parent_probs.shape[0] == n + 1, "parent_probs must be [N + 1, V]"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, None)
+
+    def depths(self) -> torch.Tensor:
+        """[N] long: 1 for children of the root."""
+        depth = torch.zeros(self.num_nodes, dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 1 if p == ROOT else depth[p] + 1
+        return depth
+
+    def children(self) -> list[list[int]]:
+        """children()[j] = node indices whose parent is j - 1 (index 0 = root), in try order."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            out[p + 1].append(i)
+        return out
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: mask[i, j] = node j is node i or one of its ancestors (tree attention)."""
+        n = self.num_nodes
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist()):
+            if p != ROOT:
+                mask[i] |= mask[p]
+        return mask
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """Result of verifying one tree: the accepted root path then one bonus token from the policy.
+
+    node_ids: accepted node indices, root to leaf (may be empty).
+    token_ids: the tokens to append: tokens of node_ids, then the bonus token (one more).
+    logprobs: the policy's log-prob of each appended token, log-softmax(logits / T) (T = 1 greedy).
+    """
+
+    node_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]

@@ -1,0 +1,334 @@
+"""The proof that sampling verification is lossless: speculative continuations of a toy policy
+follow the policy's exact distribution (chi-square over all V^L continuations).
+
+A toy policy p(.|context) and a correlated but different drafter q(.|context) over a vocabulary
+of V tokens are tables indexed by a hash of the context. A continuation of L tokens is built by
+repeatedly drafting a tree from q, verifying it with the real `verify`, and appending the result.
+Each tree shape a proposer may produce is checked at several temperature / top-p / top-k settings,
+and deliberately broken acceptance rules (and the naive perturbed-key pruned tree) must be
+detected with the same sample size, which shows the test has the power to see a real error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fastdraft.engine.sampling_params import SamplingParams
+from fastdraft.engine.spec import verify as verify_mod
+from fastdraft.engine.spec.probs import conditioned_gumbel_keys, processed_probs
+from fastdraft.engine.spec.tree import ROOT, DraftTree
+from fastdraft.engine.spec.verify import verify
+from tests.engine.spec.stat_utils import chi_square_test, exact_sequence_probs
+
+V = 6                 # vocabulary
+L = 3                 # continuation length compared
+NUM_ROWS = 1021       # distinct contexts of the toy models (contexts are hashed onto rows)
+NUM_SAMPLES = 20_000
+PASS_P = 0.01         # a lossless scheme must give p-value above this...
+DETECT_P = 1e-4       # ...and a broken one below this, with the same sample size
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Ops on [N, 6] tensors are microseconds on one thread but can take milliseconds when the
+    # intra-op pool of 2 threads is contended by other processes; these tests are all tiny ops.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- toy policy and drafter
+
+def _tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (policy logits [NUM_ROWS, V], drafter logits [NUM_ROWS, V]), fp64, fixed seed."""
+    gen = torch.Generator().manual_seed(1234)
+    p_logits = 1.6 * torch.randn(NUM_ROWS, V, generator=gen, dtype=torch.float64)
+    # Correlated with p, but different enough that rejections are frequent (accept ~60-75%).
+    q_logits = 0.7 * p_logits + 1.0 * torch.randn(NUM_ROWS, V, generator=gen, dtype=torch.float64)
+    return p_logits, q_logits
+
+
+P_LOGITS, Q_LOGITS = _tables()
+
+
+def ctx_row(ctx: tuple[int, ...]) -> int:
+    """Row of the model tables for a context (the tokens generated so far)."""
+    h = 7
+    for t in ctx:
+        h = (h * 131 + t + 1) % NUM_ROWS
+    return h
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The toy models processed for one SamplingParams (target and draft processed alike)."""
+
+    params: SamplingParams
+    p_probs: list[list[float]]      # [NUM_ROWS][V] exact policy next-token probabilities
+    q_probs: torch.Tensor           # [NUM_ROWS, V] drafter probabilities (parent_probs rows)
+    q_list: list[list[float]]
+    log_q: list[list[float]]        # -inf where q = 0 (filtered out)
+
+
+@functools.cache
+def setting(params: SamplingParams) -> Setting:
+    q = processed_probs(Q_LOGITS, params)
+    q_list = q.tolist()
+    return Setting(params=params, p_probs=processed_probs(P_LOGITS, params).tolist(), q_probs=q,
+                   q_list=q_list,
+                   log_q=[[math.log(v) if v > 0 else -math.inf for v in r] for r in q_list])
+
+
+# ---------------------------------------------------------------- draft trees
+
+@dataclass
+class Draft:
+    """A tree under construction: nodes in creation order (parents before children)."""
+
+    tokens: list[int]
+    parents: list[int]
+    rows: list[int]          # [N + 1] model row of the root's context, then of each node's
+    ctxs: list[tuple[int, ...]]
+    sampled: list[bool]      # [N + 1] per parent (root first)
+
+    @classmethod
+    def start(cls, ctx: tuple[int, ...]) -> Draft:
+        return cls([], [], [ctx_row(ctx)], [ctx], [False])
+
+    def add(self, parent: int, token: int) -> int:
+        ctx = (*self.ctxs[parent + 1], token)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.rows.append(ctx_row(ctx))
+        self.ctxs.append(ctx)
+        self.sampled.append(False)
+        return len(self.tokens) - 1
+
+    def row(self, node: int) -> int:
+        return self.rows[node + 1]
+
+    def to_tree(self, s: Setting) -> DraftTree:
+        return DraftTree(torch.tensor(self.tokens, dtype=torch.long),
+                         torch.tensor(self.parents, dtype=torch.long),
+                         s.q_probs[self.rows], torch.tensor(self.sampled))
+
+
+Builder = Callable[[Setting, tuple[int, ...], random.Random, torch.Generator], Draft]
+
+
+def _gumbel(rng: random.Random) -> float:
+    return -math.log(rng.expovariate(1.0))
+
+
+def gumbel_top_k(s: Setting, row: int, k: int, rng: random.Random) -> list[tuple[int, float]]:
+    """k tokens sampled without replacement from q[row] (in draw order) with their perturbed
+    keys log q + Gumbel (Gumbel-top-k trick)."""
+    keys = [(lq + _gumbel(rng), t) for t, lq in enumerate(s.log_q[row]) if lq > -math.inf]
+    keys.sort(reverse=True)
+    return [(t, key) for key, t in keys[:k]]
+
+
+def chain(depth: int) -> Builder:
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d, node = Draft.start(ctx), ROOT
+        for _ in range(depth):
+            tok = rng.choices(range(V), weights=s.q_list[d.row(node)])[0]
+            d.sampled[node + 1] = True
+            node = d.add(node, tok)
+        return d
+    return build
+
+
+def gumbel_tree(k: int, depth: int) -> Builder:
+    """Every node up to `depth` gets k children drawn without replacement from q."""
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = Draft.start(ctx)
+        level = [ROOT]
+        for _ in range(depth):
+            nxt = []
+            for node in level:
+                d.sampled[node + 1] = True
+                nxt += [d.add(node, t) for t, _ in gumbel_top_k(s, d.row(node), k, rng)]
+            level = nxt
+        return d
+    return build
+
+
+def pruned_tree(k: int, depth: int, beam: int, keep: int, keys: str,
+                as_point_masses: bool = False) -> Builder:
+    """EAGLE-2-style tree: per depth expand the `beam` best nodes with k children each (drawn
+    without replacement from q), then keep the global top-`keep` nodes by key (plus ancestors).
+
+    keys="naive": key = parent key + log q + Gumbel (the scheme under test; found lossy).
+    keys="conditioned": Stochastic-Beam-Search keys from `conditioned_gumbel_keys` (lossless).
+    as_point_masses: verify the kept children as chosen point masses instead of as q-samples.
+    """
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = Draft.start(ctx)
+        key = {ROOT: 0.0}
+        level = [ROOT]
+        for _ in range(depth):
+            level = sorted(level, key=lambda n: -key[n])[:beam]
+            nxt = []
+            if keys == "conditioned":
+                log_q = torch.tensor([s.log_q[d.row(n)] for n in level], dtype=torch.float64)
+                parent_keys = torch.tensor([key[n] for n in level], dtype=torch.float64)
+                child_keys = conditioned_gumbel_keys(log_q, parent_keys, gen).tolist()
+            for i, node in enumerate(level):
+                if keys == "conditioned":
+                    ranked = sorted(((kv, t) for t, kv in enumerate(child_keys[i])
+                                     if kv > -math.inf), reverse=True)[:k]
+                    kids = [(t, kv) for kv, t in ranked]
+                else:
+                    kids = [(t, key[node] + kv) for t, kv in gumbel_top_k(s, d.row(node), k, rng)]
+                for t, kv in kids:
+                    child = d.add(node, t)
+                    key[child] = kv
+                    nxt.append(child)
+            level = nxt
+        return _keep_top(d, key, keep, sampled=not as_point_masses)
+    return build
+
+
+def _keep_top(d: Draft, key: dict[int, float], keep: int, sampled: bool) -> Draft:
+    """Top-`keep` nodes by key (ties: earlier node first), closed under ancestors."""
+    nodes = range(len(d.tokens))
+    chosen = set(sorted(nodes, key=lambda n: (-key[n], n))[:keep])
+    for n in list(chosen):
+        while d.parents[n] != ROOT and d.parents[n] not in chosen:
+            n = d.parents[n]
+            chosen.add(n)
+    out = Draft.start(d.ctxs[0])
+    new_id = {ROOT: ROOT}
+    for n in sorted(chosen):          # creation order: parents first, siblings in draw order
+        new_id[n] = out.add(new_id[d.parents[n]], d.tokens[n])
+        out.sampled[new_id[d.parents[n]] + 1] = sampled
+    return out
+
+
+def top_k_tree(k: int, depth: int) -> Builder:
+    """Deterministic: every node's children are q's k most likely tokens (point masses)."""
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = Draft.start(ctx)
+        level = [ROOT]
+        for _ in range(depth):
+            nxt = []
+            for node in level:
+                q = s.q_list[d.row(node)]
+                best = sorted(range(V), key=lambda t: -q[t])[:k]
+                nxt += [d.add(node, t) for t in best]
+            level = nxt
+        return d
+    return build
+
+
+def random_choice_tree(k: int, depth: int) -> Builder:
+    """Children chosen uniformly at random (unrelated to q), repeats allowed: point masses are
+    lossless for any choice made without the verifier's coins."""
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = Draft.start(ctx)
+        level = [ROOT]
+        for _ in range(depth):
+            nxt = []
+            for node in level:
+                nxt += [d.add(node, rng.randrange(V)) for _ in range(k)]
+            level = nxt[:3]
+        return d
+    return build
+
+
+def mixed_tree() -> Builder:
+    """Root: 2 children sampled from q; each: q's top-2 as point masses; then a sampled chain
+    step under every one of those, and a chosen suffix-like token under the first."""
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = Draft.start(ctx)
+        d.sampled[0] = True
+        for a, _ in gumbel_top_k(s, d.row(ROOT), 2, rng):
+            na = d.add(ROOT, a)
+            q = s.q_list[d.row(na)]
+            for b in sorted(range(V), key=lambda t: -q[t])[:2]:
+                nb = d.add(na, b)
+                tok = rng.choices(range(V), weights=s.q_list[d.row(nb)])[0]
+                d.sampled[nb + 1] = True
+                d.add(nb, tok)
+        return d
+    return build
+
+
+# ---------------------------------------------------------------- sampling and the test
+
+def continuations(builder: Builder, params: SamplingParams, num: int, seed: int
+                  ) -> Counter[tuple[int, ...]]:
+    """Counts of `num` L-token continuations generated by draft -> verify -> append."""
+    s = setting(params)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    counts: Counter[tuple[int, ...]] = Counter()
+    for _ in range(num):
+        seq: tuple[int, ...] = ()
+        while len(seq) < L:
+            d = builder(s, seq, rng, gen)
+            acc = verify(d.to_tree(s), P_LOGITS[d.rows], params, gen)
+            seq = (*seq, *acc.token_ids)[:L]
+        counts[seq] += 1
+    return counts
+
+
+def exact_probs(params: SamplingParams) -> dict[tuple[int, ...], float]:
+    s = setting(params)
+    return exact_sequence_probs(lambda ctx: s.p_probs[ctx_row(ctx)], L, V)
+
+
+def fit_pvalue(builder: Builder, params: SamplingParams, seed: int) -> float:
+    result = chi_square_test(continuations(builder, params, NUM_SAMPLES, seed),
+                             exact_probs(params))
+    print(f"  {result.describe()}")
+    return result.pvalue
+
+
+T1 = SamplingParams(temperature=1.0)
+T06 = SamplingParams(temperature=0.6)
+T1_P08 = SamplingParams(temperature=1.0, top_p=0.8)
+T06_P08 = SamplingParams(temperature=0.6, top_p=0.8)
+T08_K3 = SamplingParams(temperature=0.8, top_k=3)
+
+LOSSLESS = {
+    "chain3-T1": (chain(3), T1),
+    "chain3-T0.6": (chain(3), T06),
+    "chain3-T1-p0.8": (chain(3), T1_P08),
+    "chain2-T0.6-p0.8": (chain(2), T06_P08),
+    "chain2-T0.8-k3": (chain(2), T08_K3),
+    "gumbel-k2d3-T1": (gumbel_tree(2, 3), T1),
+    "gumbel-k3d2-T0.6-p0.8": (gumbel_tree(3, 2), T06_P08),
+    "pruned-conditioned-T1": (pruned_tree(3, 3, 3, 4, "conditioned"), T1),
+    "pruned-conditioned-T0.6-p0.8": (pruned_tree(3, 3, 3, 4, "conditioned"), T06_P08),
+    "pruned-naive-as-point-masses-T1": (pruned_tree(3, 3, 3, 4, "naive", True), T1),
+    "topk-k2d2-T1-p0.8": (top_k_tree(2, 2), T1_P08),
+    "random-choice-T0.8-k3": (random_choice_tree(2, 2), T08_K3),
+    "mixed-T1": (mixed_tree(), T1),
+    "mixed-T0.6-p0.8": (mixed_tree(), T06_P08),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSLESS))
+def test_speculative_continuations_follow_the_policy(name: str) -> None:
+    builder, params = LOSSLESS[name]
+    assert fit_pvalue(builder, params, seed=zlib.crc32(name.encode())) > PASS_P
+
+EXPLORE = {
+    "naive-k3d3b3m4-T1": (pruned_tree(3, 3, 3, 4, "naive"), T1),
+    "naive-k2d3b2m3-T1": (pruned_tree(2, 3, 2, 3, "naive"), T1),
+    "naive-k3d2b3m2-T1": (pruned_tree(3, 2, 3, 2, "naive"), T1),
+    "naive-k4d3b4m8-T1": (pruned_tree(4, 3, 4, 8, "naive"), T1),
+}
+LOSSLESS.update(EXPLORE)
