@@ -71,26 +71,52 @@ def run_generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine"], help="what to benchmark")
+    p.add_argument("which", choices=["engine", "spec"], help="what to benchmark")
     _cache_arg(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
+                        "if missing)")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--methods", default="none,eagle,suffix")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--tokens-to-verify", type=int, default=16)
 
 
 @command("bench", "side-by-side benchmarks that print a table and write JSON")(_bench_args)
 def run_bench_cmd(args: argparse.Namespace) -> int:
-    from fastdraft.bench.engine_bench import EngineBenchConfig, run_engine_bench
     from fastdraft.demo import heldout_prompts, resolve_model
     model_dir = resolve_model(args.model, args.cache_dir)
-    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
+    batch_sizes = tuple(int(b) for b in sizes.split(","))
     prompts = [ids for ids, _, _ in heldout_prompts(model_dir, max(batch_sizes), seed=1)]
+    if args.which == "spec":
+        return _bench_spec(args, model_dir, prompts, batch_sizes)
+    from fastdraft.bench.engine_bench import EngineBenchConfig, run_engine_bench
     run_engine_bench(EngineBenchConfig(model_dir=model_dir, prompts=prompts,
                                        batch_sizes=batch_sizes,
                                        max_new_tokens=args.max_new_tokens,
                                        repeats=args.repeats), args.json)
+    return 0
+
+
+def _bench_spec(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]],
+                batch_sizes: tuple[int, ...]) -> int:
+    from fastdraft.bench.spec_bench import SpecBenchConfig, run_spec_bench
+    from fastdraft.demo import ensure_drafter
+    drafter = ensure_drafter(model_dir, args.drafter)
+    cfg = SpecBenchConfig(model_dir=model_dir, drafter_dir=drafter, prompts=prompts,
+                          batch_sizes=batch_sizes,
+                          temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                          methods=tuple(args.methods.split(",")), depth=args.depth,
+                          topk=args.topk, tokens_to_verify=args.tokens_to_verify,
+                          max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    run_spec_bench(cfg, args.json)
     return 0
 
 

@@ -31,6 +31,20 @@ def default_drafter_dir(policy_dir: Path, kind: str) -> Path:
     return policy_dir.parent / f"drafter-{kind}"
 
 
+def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagle1") -> Path:
+    """An explicit drafter dir, else the default one beside the policy (warmed up if missing)."""
+    if drafter_dir is not None:
+        return drafter_dir
+    out = default_drafter_dir(policy_dir, kind)
+    if not (out / "drafter_config.json").is_file():
+        from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
+        cfg = WarmupConfig(kind=kind)
+        print(f"no drafter at {out}: warming one up (offline, on the policy's rollouts)")
+        warmup_drafter(policy_dir, out, prompt_ids(policy_dir, None, cfg.num_rollouts,
+                                                   heldout=False), cfg)
+    return out
+
+
 def prompt_ids(model_dir: Path, prompts_file: Path | None, n: int, seed: int = 0,
                heldout: bool = True) -> list[list[int]]:
     """Up to n prompts as token ids: from a local JSONL/parquet file, else task problems."""

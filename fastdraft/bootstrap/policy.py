@@ -47,10 +47,10 @@ class BootstrapSpec:
 
     task: str = "modsum"
     hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     steps: int = 900

@@ -183,12 +183,16 @@ class RolloutEngine:
         finished = scheduler.postprocess(batch, [a.token_ids for a in accepted],
                                          [a.logprobs for a in accepted])
         done = {id(r) for r in finished}
-        self.proposer.on_commit([
-            Committed(r, acc.token_ids, p + 1, hidden.final[b, rows],
-                      tuple(a[b, rows] for a in hidden.aux))
-            for b, (r, p, acc) in enumerate(zip(requests, root_pos, accepted))
-            if id(r) not in done
-            for rows in [torch.tensor([0, *(1 + n for n in acc.node_ids)])]])
+        committed = []
+        for b, (r, p, acc) in enumerate(zip(requests, root_pos, accepted)):
+            if id(r) in done:
+                continue
+            # The policy's hidden states of the root and the accepted nodes: the token before
+            # each newly committed token.
+            rows = torch.tensor([0, *(1 + n for n in acc.node_ids)], device=hidden.final.device)
+            committed.append(Committed(r, acc.token_ids, p + 1, hidden.final[b, rows],
+                                       tuple(a[b, rows] for a in hidden.aux)))
+        self.proposer.on_commit(committed)
         return finished
 
     # ------------------------------------------------------------------------------- helpers

@@ -18,10 +18,10 @@ class SpecConfig:
     tokens_to_verify: int = 16
 
     def __post_init__(self) -> None:
-        from fastdraft.engine.spec.proposer import PROPOSERS
-        if self.method != "none" and self.method not in PROPOSERS:
+        from fastdraft.engine.spec.setup import known_methods
+        if self.method not in known_methods():
             raise ValueError(f"unknown spec method {self.method!r}; choose one of "
-                             f"{['none', *sorted(PROPOSERS)]}")
+                             f"{known_methods()}")
         if self.depth < 1 or self.topk < 1 or self.tokens_to_verify < 1:
             raise ValueError("depth, topk and tokens_to_verify must be >= 1, got "
                              f"{self.depth}, {self.topk}, {self.tokens_to_verify}")

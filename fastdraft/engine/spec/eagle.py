@@ -3,9 +3,11 @@
 Per level, the `topk` best frontier nodes of every request run through the drafter in ONE forward
 (tree attention over the drafter's own slot cache), each proposes `topk` children, and the best
 `tokens_to_verify` nodes are kept. Greedy requests rank by cumulative draft log-probability and
-verify children as point masses; sampling requests draw children WITHOUT replacement from q by
-Gumbel-top-k and rank by the perturbed keys, so the kept children of a node are always a prefix of
-its draw order, which recursive rejection sampling requires to stay lossless.
+verify children as point masses. Sampling requests draw children WITHOUT replacement from q with
+the top-down Gumbel of Stochastic Beam Search (keys conditioned on their parent's key, so keys
+never increase along a path): the best-first top-M is then a tree whose kept children are always
+a prefix of their draw order, which recursive rejection sampling needs to stay lossless. (Naive
+cumulative perturbed keys are NOT lossless after pruning; tests/engine/spec shows the bias.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from fastdraft.drafter.base import Drafter
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.probs import processed_probs
+from fastdraft.engine.spec.probs import conditioned_gumbel_keys, processed_probs
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.engine.spec.tree import ROOT, DraftTree
 from fastdraft.models import AttnMeta, HiddenStates, KVView
@@ -91,7 +93,8 @@ class EagleProposer(Proposer):
         root_pos = torch.tensor([self.root_pos[r.slot] for r in requests], device=self.device)
         greedy = [r.params.is_greedy for r in requests]
         q_root = _probs(self.root_logits[slots].unsqueeze(1), requests)[:, 0]   # [B, V]
-        tok, key = _draw(q_root.unsqueeze(1), k, requests)                   # [B, 1, k]
+        zero = torch.zeros(batch, 1, device=self.device)
+        tok, key = _draw(q_root.unsqueeze(1), zero, k, requests)             # [B, 1, k]
         tok, key = tok[:, 0], key[:, 0]                                      # level 1: [B, k]
         levels = [(tok, key, torch.full_like(tok, ROOT))]  # (tokens, cum key, parent scratch)
         scratch_q: list[torch.Tensor] = []                 # q of each expanded node [B, k, V]
@@ -121,8 +124,7 @@ class EagleProposer(Proposer):
             feat_of_scratch = torch.cat([feat_of_scratch, out], 1)
             q = _probs(logits, requests)                                       # [B, K, V]
             scratch_q.append(q)
-            c_tok, c_key = _draw(q, k, requests)                               # [B, K, k]
-            c_key = c_key + key.gather(1, order).unsqueeze(-1)
+            c_tok, c_key = _draw(q, key.gather(1, order), k, requests)         # [B, K, k]
             levels[-1] = (tok, key, parent, order, new_scratch)  # type: ignore[assignment]
             levels.append((c_tok.flatten(1), c_key.flatten(1),
                            new_scratch.repeat_interleave(k).expand(batch, -1)))
@@ -140,17 +142,16 @@ def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
                         for b, r in enumerate(requests)])
 
 
-def _draw(q: torch.Tensor, k: int, requests: list[Request]
+def _draw(q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request]
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, K, V] -> (tokens, keys) [B, K, k]: greedy rows take the top-k of log q; sampling rows
-    draw k tokens without replacement (Gumbel-top-k), keys = log q + Gumbel in draw order."""
-    logq = q.clamp_min(1e-30).log()
-    keys = logq.clone()
+    """q [B, K, V], parent_key [B, K] -> (tokens, keys) [B, K, k]. Greedy rows: the top-k of q,
+    key = parent key + log q. Sampling rows: k draws without replacement from q, in draw order,
+    with keys conditioned on the parent key (top-down Gumbel)."""
+    keys = parent_key.unsqueeze(-1) + q.clamp_min(1e-30).log()
     for b, r in enumerate(requests):
         if not r.params.is_greedy:
-            u = torch.rand(q.shape[1:], generator=r.generator, device=q.device)
-            gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7)))
-            keys[b] = torch.where(q[b] > 0, logq[b] + gumbel, float("-inf"))
+            log_q = torch.where(q[b] > 0, q[b].log(), float("-inf"))
+            keys[b] = conditioned_gumbel_keys(log_q, parent_key[b], r.generator)
     top = keys.topk(min(k, q.shape[-1]), dim=-1)
     return top.indices, top.values
 
@@ -181,8 +182,9 @@ def _tree_mask(root_pos: torch.Tensor, anc_rows: torch.Tensor, ctx_len: int) -> 
 
 def _select(levels: list, b: int, budget: int, q_root: torch.Tensor, q_scratch: torch.Tensor | None,
             is_greedy: bool, source_id: int) -> DraftTree:
-    """Best-first by cumulative key from the root, so every kept node's parent is kept and kept
-    siblings are a prefix of their draw order. Returns request b's DraftTree."""
+    """Best-first by key from the root (ties: the earlier-created node first), so every kept
+    node's parent is kept and kept siblings are a prefix of their draw order. Returns request
+    b's DraftTree."""
     children: dict[int, list[tuple[float, int]]] = {}
     scratch_of: dict[tuple[int, int], int] = {}  # (level, index in level) -> scratch id
     tokens_by: dict[tuple[int, int], int] = {}

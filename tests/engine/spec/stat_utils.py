@@ -37,8 +37,8 @@ class ChiSquareResult:
     def describe(self) -> str:
         worst = ", ".join(f"{o}: obs {c} exp {e:.1f}" for o, c, e in self.worst)
         return (f"chi2={self.statistic:.1f} dof={self.dof} p={self.pvalue:.3g} "
-                f"n={self.num_samples} cells={self.num_cells} impossible={list(self.impossible)[:5]}"
-                f" worst=[{worst}]")
+                f"n={self.num_samples} cells={self.num_cells} "
+                f"impossible={list(self.impossible)[:5]} worst=[{worst}]")
 
 
 def chi_square_test(observed_counts: Mapping[Outcome, int], expected_probs: Mapping[Outcome, float],

@@ -1,0 +1,125 @@
+"""`fastdraft bench spec`: plain decoding vs EAGLE vs suffix speculation on the same policy and
+prompts, greedy and sampled, at several batch sizes — measured side by side in one run — plus the
+unit costs that bound the speedup (one verify pass and one draft step vs one decode step)."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdraft.bench.common import median_seconds, print_table, write_json
+from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.tree import DraftTree
+
+METHODS = ("none", "eagle", "suffix")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecBenchConfig:
+    model_dir: Path
+    drafter_dir: Path
+    prompts: list[list[int]]
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    methods: tuple[str, ...] = METHODS
+    depth: int = 6
+    topk: int = 4
+    tokens_to_verify: int = 16
+    max_new_tokens: int = 160
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        if len(self.prompts) < max(self.batch_sizes):
+            raise ValueError(f"need >= {max(self.batch_sizes)} prompts, got {len(self.prompts)}")
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
+
+
+def _engine(cfg: SpecBenchConfig, method: str, max_batch: int) -> RolloutEngine:
+    spec = SpecConfig(method=method, depth=cfg.depth, topk=cfg.topk,
+                      tokens_to_verify=cfg.tokens_to_verify)
+    max_len = max(map(len, cfg.prompts)) + cfg.max_new_tokens + 1
+    return RolloutEngine(cfg.model_dir, max_batch_size=max_batch, max_seq_len=max_len, spec=spec,
+                         drafter=cfg.drafter_dir if method == "eagle" else None)
+
+
+def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) -> dict[str, Any]:
+    engines = {m: _engine(cfg, m, max(cfg.batch_sizes)) for m in cfg.methods}
+    rows = []
+    for temperature in cfg.temperatures:
+        params = SamplingParams(temperature=temperature, seed=0,
+                                max_new_tokens=cfg.max_new_tokens)
+        for bs in cfg.batch_sizes:
+            prompts = cfg.prompts[:bs]
+            if "suffix" in engines:  # earlier rollouts of the same prompts (the previous RL step)
+                engines["suffix"].generate(prompts, params)
+                engines["suffix"].advance_step()
+            results = {}
+            for method, engine in engines.items():
+                seconds, outs = median_seconds(
+                    lambda e=engine, p=prompts, sp=params: e.generate(p, sp), cfg.repeats,
+                    warmup=1)
+                num_tokens = sum(len(c.token_ids) for c in outs)
+                results[method] = (num_tokens / seconds, outs, engine.last_stats.accept_length)
+            base_tps, base_outs, _ = results.get("none", (None, None, None))
+            for method, (tps, outs, accept_length) in results.items():
+                match = None
+                if temperature == 0.0 and base_outs is not None:
+                    match = [c.token_ids for c in outs] == [c.token_ids for c in base_outs]
+                rows.append(dict(method=method, batch_size=bs, temperature=temperature,
+                                 tokens_per_s=tps, accept_length=accept_length,
+                                 speedup_vs_none=tps / base_tps if base_tps else None,
+                                 outputs_match=match))
+    print_table(rows, ["method", "batch_size", "temperature", "tokens_per_s", "accept_length",
+                       "speedup_vs_none", "outputs_match"])
+    costs = unit_costs(engines["eagle"]) if "eagle" in engines else {}
+    for name, value in costs.items():
+        print(f"{name}: {value:.3f}")
+    payload = dict(rows=rows, unit_costs=costs, spec=dict(depth=cfg.depth, topk=cfg.topk,
+                                                          tokens_to_verify=cfg.tokens_to_verify),
+                   model_dir=str(cfg.model_dir), drafter_dir=str(cfg.drafter_dir),
+                   repeats=cfg.repeats, torch=torch.__version__,
+                   threads=torch.get_num_threads(), machine=platform.machine())
+    if json_path is not None:
+        write_json(json_path, payload)
+    return payload
+
+
+def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200
+               ) -> dict[str, float]:
+    """Batch-1 costs relative to one plain decode step: a verify pass over a full tree, and one
+    drafter step over one tree level (what a draft level costs)."""
+    runner, spec = engine.runner, engine.spec
+    drafter = engine.proposer.drafter  # type: ignore[attr-defined]
+    n = spec.tokens_to_verify
+    tree = DraftTree(torch.full((n,), 5), torch.arange(-1, n - 1), None, None)
+    topk = spec.topk
+
+    def decode() -> None:
+        runner.decode([5], [context_len], [0])
+
+    def verify() -> None:
+        runner.verify([5], [context_len], [tree], [0])
+
+    feats = torch.zeros(1, topk, drafter.config.hidden_size)
+    ids = torch.full((1, topk), 5)
+    pos = torch.full((1, topk), context_len)
+
+    def draft() -> None:
+        with torch.inference_mode():
+            drafter.step(feats, ids, pos)
+
+    decode_s, _ = median_seconds(decode, repeats, warmup=10)
+    verify_s, _ = median_seconds(verify, repeats, warmup=10)
+    draft_s, _ = median_seconds(draft, repeats, warmup=10)
+    return {"decode_step_ms": decode_s * 1e3, "verify_pass_ms": verify_s * 1e3,
+            "draft_step_ms": draft_s * 1e3, "verify_over_decode": verify_s / decode_s,
+            "draft_over_decode": draft_s / decode_s}
