@@ -78,6 +78,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-compile", action="store_true",
+                   help="engine: skip the torch.compile'd engine rows (saves ~1 min)")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts per row, rolled out batch_size at a time")
     p.add_argument("--drafter", type=Path, default=None,
                    help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
                         "if missing)")
@@ -94,14 +98,15 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, args.cache_dir)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = tuple(int(b) for b in sizes.split(","))
-    prompts = [ids for ids, _, _ in heldout_prompts(model_dir, max(batch_sizes), seed=1)]
+    prompts = [ids for ids, _, _ in heldout_prompts(model_dir, args.num_prompts, seed=1)]
     if args.which == "spec":
         return _bench_spec(args, model_dir, prompts, batch_sizes)
     from fastdraft.bench.engine_bench import EngineBenchConfig, run_engine_bench
     run_engine_bench(EngineBenchConfig(model_dir=model_dir, prompts=prompts,
                                        batch_sizes=batch_sizes,
                                        max_new_tokens=args.max_new_tokens,
-                                       repeats=args.repeats), args.json)
+                                       repeats=args.repeats, compile=not args.no_compile),
+                     args.json)
     return 0
 
 

@@ -48,12 +48,12 @@ class BootstrapSpec:
     task: str = "modsum"
     hidden_size: int = 128
     intermediate_size: int = 256
-    num_layers: int = 4
+    num_layers: int = 8
     num_heads: int = 8
     num_kv_heads: int = 4
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
-    steps: int = 900
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 2e-3
     min_lr_ratio: float = 0.05

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.request import Completion, Request
-from fastdraft.engine.sampler import SamplingTensors, sample
+from fastdraft.engine.sampler import SamplingTensors, sample, sample_greedy
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
 from fastdraft.engine.spec.config import SpecConfig
@@ -33,13 +33,13 @@ class RolloutEngine:
     def __init__(self, model_path: str | Path, device: str = "cpu", max_batch_size: int = 64,
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
-                 spec: SpecConfig | None = None) -> None:
+                 spec: SpecConfig | None = None, compile: bool = False) -> None:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         max_seq_len = max_seq_len or 4096
         spec = spec or SpecConfig()
         model = load_model(model_path, device, dtype, max_positions=_rope_len(max_seq_len, spec))
         self._init(model, max_batch_size, max_seq_len, max_prefill_tokens,
-                   _generation_eos(Path(model_path)), drafter, spec)
+                   _generation_eos(Path(model_path)), drafter, spec, compile)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -57,7 +57,7 @@ class RolloutEngine:
 
     def _init(self, model: CausalLM, max_batch_size: int, max_seq_len: int,
               max_prefill_tokens: int, extra_eos: tuple[int, ...], drafter: str | Path | None,
-              spec: SpecConfig) -> None:
+              spec: SpecConfig, compile: bool = False) -> None:
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
         self.model = model
@@ -68,7 +68,7 @@ class RolloutEngine:
         self.spec = spec
         # Tree nodes sit in scratch cells past the committed tokens: the cache holds them too.
         cache_len = max_seq_len + (spec.tokens_to_verify + 1 if spec.enabled else 0)
-        self.runner = ModelRunner(model, max_batch_size, cache_len)
+        self.runner = ModelRunner(model, max_batch_size, cache_len, compile)
         self.proposer: Proposer = make_proposer(spec, model, drafter, max_batch_size, cache_len,
                                                 _rope_len(max_seq_len, spec))
         self.policy_version = 0
@@ -141,8 +141,12 @@ class RolloutEngine:
     def _sample_one(self, scheduler: Scheduler, batch: ScheduledBatch,
                     logits: torch.Tensor) -> list[Request]:
         requests = batch.requests
-        st = SamplingTensors.build([r.params for r in requests], logits.shape[-1], logits.device)
-        token_ids, logprobs = sample(logits, st, [r.generator for r in requests])
+        if all(r.params.is_greedy for r in requests):  # the common eval path: no tensors to build
+            token_ids, logprobs = sample_greedy(logits)
+        else:
+            st = SamplingTensors.build([r.params for r in requests], logits.shape[-1],
+                                       logits.device)
+            token_ids, logprobs = sample(logits, st, [r.generator for r in requests])
         return scheduler.postprocess(batch, [[t] for t in token_ids.tolist()],
                                      [[lp] for lp in logprobs.tolist()])
 

@@ -60,10 +60,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 def sample(logits: torch.Tensor, st: SamplingTensors,
            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (token_ids [B], logprobs [B]) with logprobs of log-softmax(logits / T)."""
-    logits = logits.float()
     if st.all_greedy:
-        token_ids = logits.argmax(dim=-1)
-        return token_ids, _chosen_logprob(logits, token_ids)
+        return sample_greedy(logits)
+    logits = logits.float()
     scaled = logits / st.temperature.unsqueeze(-1)
     filtered = filter_top_k_top_p(scaled, st.top_k, st.top_p) if st.needs_filter else scaled
     probs = filtered.softmax(dim=-1)
@@ -71,6 +70,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     sampled = (probs / noise).argmax(dim=-1)
     token_ids = torch.where(st.is_greedy, logits.argmax(dim=-1), sampled)
     return token_ids, _chosen_logprob(scaled, token_ids)
+
+
+def sample_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (argmax token_ids [B], their log-softmax logprobs [B])."""
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    return token_ids, _chosen_logprob(logits, token_ids)
 
 
 def exponential_noise(shape: torch.Size, generators: list[torch.Generator | None],

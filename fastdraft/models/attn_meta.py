@@ -35,6 +35,10 @@ class AttnMeta:
 
     mask: torch.Tensor | None
     cache_positions: torch.Tensor | None = None
+    sees_all: bool = False  # every query may attend every one of the ctx_len cells
+
+    def __post_init__(self) -> None:
+        assert self.mask is not None or self.cache_positions is None, "a cache read needs a mask"
 
     @property
     def ctx_len(self) -> int:
@@ -42,7 +46,10 @@ class AttnMeta:
         return self.mask.shape[-1]
 
 
-def causal_cache_meta(positions: torch.Tensor, ctx_len: int) -> AttnMeta:
-    """Plain prefill/decode: token at position p sees cache positions 0..p of its own slot."""
+def causal_cache_meta(positions: torch.Tensor, ctx_len: int, sees_all: bool = False) -> AttnMeta:
+    """Plain prefill/decode: token at position p sees cache positions 0..p of its own slot.
+    sees_all: the caller knows every row is one token at position ctx_len - 1 (a decode step of
+    equal-length rows), so the mask is all True and attention may skip it."""
     cols = torch.arange(ctx_len, device=positions.device)
-    return AttnMeta(mask=cols.view(1, 1, -1) <= positions.unsqueeze(-1), cache_positions=positions)
+    return AttnMeta(mask=cols.view(1, 1, -1) <= positions.unsqueeze(-1), cache_positions=positions,
+                    sees_all=sees_all)

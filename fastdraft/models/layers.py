@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementations, then cast back.
         if x.dtype == torch.float32:
-            return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
+            return F.rms_norm(x, x.shape[-1:], self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -71,7 +71,8 @@ class Attention(nn.Module):
         """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]."""
         bsz, seq_len, _ = x.shape
         q, k, v = self._qkv(x, rope)
-        mask = attn.mask if attn is not None else None
+        # A decode step whose rows all see their whole context needs no mask (faster kernels).
+        mask = None if attn is None or attn.sees_all else attn.mask
         if kv is None:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values,
             attn_mask=None if mask is None else mask.unsqueeze(1),
-            is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads)
+            is_causal=attn is None, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 

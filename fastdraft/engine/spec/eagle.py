@@ -23,6 +23,7 @@ from fastdraft.engine.spec.probs import conditioned_gumbel_keys, processed_probs
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.engine.spec.tree import ROOT, DraftTree
 from fastdraft.models import AttnMeta, HiddenStates, KVView
+from fastdraft.models.packing import pack_for_inference
 
 
 @register_proposer("eagle")
@@ -31,7 +32,7 @@ class EagleProposer(Proposer):
 
     def __init__(self, *, drafter: Drafter, num_slots: int, cache_len: int, spec: SpecConfig,
                  **_: object) -> None:
-        self.drafter = drafter
+        self.drafter = pack_for_inference(drafter)  # in place: published weights still load
         cfg = drafter.config
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
