@@ -78,6 +78,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true",
+                   help="spec: torch.compile every method's steps (slow to warm up)")
     p.add_argument("--no-compile", action="store_true",
                    help="engine: skip the torch.compile'd engine rows (saves ~1 min)")
     p.add_argument("--num-prompts", type=int, default=16,
@@ -99,6 +101,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = tuple(int(b) for b in sizes.split(","))
     prompts = [ids for ids, _, _ in heldout_prompts(model_dir, args.num_prompts, seed=1)]
+    print(f"{len(prompts)} held-out prompts, answers up to {args.max_new_tokens} tokens; each row "
+          "rolls all of them out, batch_size at a time")
     if args.which == "spec":
         return _bench_spec(args, model_dir, prompts, batch_sizes)
     from fastdraft.bench.engine_bench import EngineBenchConfig, run_engine_bench
@@ -120,7 +124,8 @@ def _bench_spec(args: argparse.Namespace, model_dir: Path, prompts: list[list[in
                           temperatures=tuple(float(t) for t in args.temperatures.split(",")),
                           methods=tuple(args.methods.split(",")), depth=args.depth,
                           topk=args.topk, tokens_to_verify=args.tokens_to_verify,
-                          max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                          compile=args.compile)
     run_spec_bench(cfg, args.json)
     return 0
 

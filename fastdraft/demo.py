@@ -94,7 +94,7 @@ def generate_demo(args: argparse.Namespace) -> int:
         if problem is not None:
             rewards.append(task.reward(problem, answer))
             mark = "ok " if rewards[-1] == 1.0 else "bad"
-        print(f"{mark} {text}{answer!s:<60.60} [{len(out.token_ids)} tok, {out.finish_reason}]")
+        print(f"{mark} {text}{answer}  [{len(out.token_ids)} tok, {out.finish_reason}]")
     num_tokens = sum(len(o.token_ids) for o in outs)
     lengths = sorted(len(o.token_ids) for o in outs)
     print(f"{len(outs)} completions, {num_tokens} tokens in {elapsed:.2f}s "

@@ -1,6 +1,10 @@
 """`fastdraft bench spec`: plain decoding vs EAGLE vs suffix speculation on the same policy and
 prompts, greedy and sampled, at several batch sizes — measured side by side in one run — plus the
-unit costs that bound the speedup (one verify pass and one draft step vs one decode step)."""
+unit costs that bound the speedup (one verify pass and one draft step vs one decode step).
+
+Every row rolls out the same prompts, `batch_size` at a time (batch 1 = one after another). The
+suffix rows first roll the prompts out once at the same settings (the previous RL step's
+rollouts of the same prompts), then measure."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from fastdraft.bench.common import median_seconds, print_table, write_json
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.spec.tree import DraftTree
 
 METHODS = ("none", "eagle", "suffix")
@@ -32,13 +37,14 @@ class SpecBenchConfig:
     tokens_to_verify: int = 16
     max_new_tokens: int = 160
     repeats: int = 3
+    compile: bool = False  # torch.compile the policy steps (and the drafter step) of every method
 
     def __post_init__(self) -> None:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-        if len(self.prompts) < max(self.batch_sizes):
-            raise ValueError(f"need >= {max(self.batch_sizes)} prompts, got {len(self.prompts)}")
+        if not self.prompts:
+            raise ValueError("need at least one prompt")
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
 
@@ -48,7 +54,8 @@ def _engine(cfg: SpecBenchConfig, method: str, max_batch: int) -> RolloutEngine:
                       tokens_to_verify=cfg.tokens_to_verify)
     max_len = max(map(len, cfg.prompts)) + cfg.max_new_tokens + 1
     return RolloutEngine(cfg.model_dir, max_batch_size=max_batch, max_seq_len=max_len, spec=spec,
-                         drafter=cfg.drafter_dir if method == "eagle" else None)
+                         drafter=cfg.drafter_dir if method == "eagle" else None,
+                         compile=cfg.compile)
 
 
 def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) -> dict[str, Any]:
@@ -58,17 +65,18 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
         params = SamplingParams(temperature=temperature, seed=0,
                                 max_new_tokens=cfg.max_new_tokens)
         for bs in cfg.batch_sizes:
-            prompts = cfg.prompts[:bs]
+            chunks = [cfg.prompts[i: i + bs] for i in range(0, len(cfg.prompts), bs)]
             if "suffix" in engines:  # earlier rollouts of the same prompts (the previous RL step)
-                engines["suffix"].generate(prompts, params)
+                for chunk in chunks:
+                    engines["suffix"].generate(chunk, params)
                 engines["suffix"].advance_step()
             results = {}
             for method, engine in engines.items():
-                seconds, outs = median_seconds(
-                    lambda e=engine, p=prompts, sp=params: e.generate(p, sp), cfg.repeats,
-                    warmup=1)
+                seconds, (outs, accept_length) = median_seconds(
+                    lambda e=engine, c=chunks, sp=params: _roll_out(e, c, sp), cfg.repeats,
+                    warmup=2 if cfg.compile else 1)
                 num_tokens = sum(len(c.token_ids) for c in outs)
-                results[method] = (num_tokens / seconds, outs, engine.last_stats.accept_length)
+                results[method] = (num_tokens / seconds, outs, accept_length)
             base_tps, base_outs, _ = results.get("none", (None, None, None))
             for method, (tps, outs, accept_length) in results.items():
                 match = None
@@ -85,12 +93,23 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
         print(f"{name}: {value:.3f}")
     payload = dict(rows=rows, unit_costs=costs, spec=dict(depth=cfg.depth, topk=cfg.topk,
                                                           tokens_to_verify=cfg.tokens_to_verify),
+                   compile=cfg.compile,
                    model_dir=str(cfg.model_dir), drafter_dir=str(cfg.drafter_dir),
                    repeats=cfg.repeats, torch=torch.__version__,
                    threads=torch.get_num_threads(), machine=platform.machine())
     if json_path is not None:
         write_json(json_path, payload)
     return payload
+
+
+def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: SamplingParams
+              ) -> tuple[list, float]:
+    """All chunks one after another -> (completions, accept_length over all of them)."""
+    outs, stats = [], SpecStats()
+    for chunk in chunks:
+        outs += engine.generate(chunk, params)
+        stats.merge(engine.last_stats)
+    return outs, stats.accept_length
 
 
 def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200

@@ -70,7 +70,7 @@ class RolloutEngine:
         cache_len = max_seq_len + (spec.tokens_to_verify + 1 if spec.enabled else 0)
         self.runner = ModelRunner(model, max_batch_size, cache_len, compile)
         self.proposer: Proposer = make_proposer(spec, model, drafter, max_batch_size, cache_len,
-                                                _rope_len(max_seq_len, spec))
+                                                _rope_len(max_seq_len, spec), compile)
         self.policy_version = 0
         self.drafter_version: int | None = 0 if spec.method != "none" else None
         self.rl_step = 0
@@ -182,7 +182,7 @@ class RolloutEngine:
         self.runner.compact(slots, src, dst)
         for tree, r, acc in zip(trees, requests, accepted):
             sources = tree.sources.tolist() if tree.sources is not None else []
-            depth = int(tree.depths().max()) if tree.num_nodes else 0
+            depth = max(tree.depth_list(), default=0)
             r.spec.record(tree.num_nodes, depth, [sources[n] for n in acc.node_ids])
         finished = scheduler.postprocess(batch, [a.token_ids for a in accepted],
                                          [a.logprobs for a in accepted])

@@ -83,13 +83,16 @@ class ModelRunner:
         cache_pos = torch.zeros(batch, width, dtype=torch.long)
         ctx_len = max(root_pos) + width
         mask = torch.zeros(batch, width, ctx_len, dtype=torch.bool)
+        root = torch.tensor(root_pos)
+        ids[:, 0] = torch.tensor(root_ids)
+        pos[:] = root.unsqueeze(1)
+        cache_pos[:] = root.unsqueeze(1) + torch.arange(width)
+        mask[:] = torch.arange(ctx_len) <= root.view(-1, 1, 1)
         for b, (tree, p) in enumerate(zip(trees, root_pos)):
             n = tree.num_nodes
-            ids[b, 0], pos[b, :], mask[b, :, : p + 1] = root_ids[b], p, True
-            cache_pos[b] = torch.arange(p, p + width)
             if n:
                 ids[b, 1 : n + 1] = tree.tokens.cpu()
-                pos[b, 1 : n + 1] = p + tree.depths()
+                pos[b, 1 : n + 1] += torch.tensor(tree.depth_list())
                 mask[b, 1 : n + 1, p + 1 : p + 1 + n] = tree.ancestor_mask()
         dev = self.device
         meta = AttnMeta(mask.to(dev), cache_positions=cache_pos.to(dev))

@@ -31,8 +31,10 @@ class EagleProposer(Proposer):
     source_id = 0
 
     def __init__(self, *, drafter: Drafter, num_slots: int, cache_len: int, spec: SpecConfig,
-                 **_: object) -> None:
+                 compile: bool = False, **_: object) -> None:
         self.drafter = pack_for_inference(drafter)  # in place: published weights still load
+        self.draft_step = (torch.compile(drafter.step, dynamic=True) if compile
+                           else drafter.step)
         cfg = drafter.config
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -78,7 +80,7 @@ class EagleProposer(Proposer):
         cols = torch.arange(int(pos.max()) + 1, device=self.device)
         mask = (cols >= 1) & (cols <= pos.unsqueeze(-1))  # position 0 never holds a pair
         slots = torch.tensor([c.request.slot for c in committed], device=self.device)
-        out, logits = self.drafter.step(feats, ids, pos, KVView(self.k, self.v, slots),
+        out, logits = self.draft_step(feats, ids, pos, KVView(self.k, self.v, slots),
                                         AttnMeta(mask, cache_positions=pos))
         for b, c in enumerate(committed):
             slot, last = c.request.slot, lens[b] - 1
@@ -119,7 +121,7 @@ class EagleProposer(Proposer):
             cache_pos = root_pos.unsqueeze(1) + 1 + new_scratch.unsqueeze(0)
             positions = (root_pos + depth).unsqueeze(1).expand(-1, num_f)
             mask = _tree_mask(root_pos, anc[:, start:], int(cache_pos.max()) + 1)
-            out, logits = self.drafter.step(parent_feat, f_tok, positions,
+            out, logits = self.draft_step(parent_feat, f_tok, positions,
                                             KVView(self.k, self.v, slots),
                                             AttnMeta(mask, cache_positions=cache_pos))
             feat_of_scratch = torch.cat([feat_of_scratch, out], 1)

@@ -17,7 +17,8 @@ def known_methods() -> list[str]:
 
 
 def make_proposer(spec: SpecConfig, model: CausalLM, drafter: str | Path | None,
-                  num_slots: int, cache_len: int, rope_len: int) -> Proposer:
+                  num_slots: int, cache_len: int, rope_len: int, compile: bool = False
+                  ) -> Proposer:
     if not spec.enabled:
         return Proposer()
     if spec.method == "eagle":
@@ -28,5 +29,5 @@ def make_proposer(spec: SpecConfig, model: CausalLM, drafter: str | Path | None,
         drafter_positions = cache_len + max(spec.depth - 1, 0) * spec.topk + spec.depth + 2
         loaded = load_drafter(drafter, model, max_positions=max(rope_len, drafter_positions))
         return PROPOSERS["eagle"](drafter=loaded, num_slots=num_slots, cache_len=cache_len,
-                                  spec=spec)
+                                  spec=spec, compile=compile)
     return PROPOSERS[spec.method](num_slots=num_slots, cache_len=cache_len, spec=spec)

@@ -47,12 +47,16 @@ class DraftTree:
     def empty(cls) -> DraftTree:
         return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, None)
 
+    def depth_list(self) -> list[int]:
+        """Depth of each node, 1 for children of the root (plain Python: trees are small)."""
+        depth: list[int] = []
+        for p in self.parents.tolist():
+            depth.append(1 if p == ROOT else depth[p] + 1)
+        return depth
+
     def depths(self) -> torch.Tensor:
         """[N] long: 1 for children of the root."""
-        depth = torch.zeros(self.num_nodes, dtype=torch.long)
-        for i, p in enumerate(self.parents.tolist()):
-            depth[i] = 1 if p == ROOT else depth[p] + 1
-        return depth
+        return torch.tensor(self.depth_list(), dtype=torch.long)
 
     def children(self) -> list[list[int]]:
         """children()[j] = node indices whose parent is j - 1 (index 0 = root), in try order."""
@@ -64,11 +68,12 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] = node j is node i or one of its ancestors (tree attention)."""
         n = self.num_nodes
-        mask = torch.eye(n, dtype=torch.bool)
+        rows: list[list[bool]] = []
         for i, p in enumerate(self.parents.tolist()):
-            if p != ROOT:
-                mask[i] |= mask[p]
-        return mask
+            row = list(rows[p]) if p != ROOT else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).view(n, n)
 
 
 @dataclass(frozen=True, slots=True)
