@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from fastdraft.utils.atomic import atomic_write_text
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
@@ -37,9 +37,4 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     """Atomic write: temp file in the same directory, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(payload, indent=2))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from fastdraft.bootstrap.tokenizer import DEFAULT_ALPHABET, vocab_size_for
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.rl.tasks import Problem, Task
+from fastdraft.utils.schedule import warmup_cosine_lr
 
 #: Bumped whenever encoding or training changes meaning, so stale caches are not reused.
 FORMAT_VERSION = 1
@@ -180,11 +180,8 @@ def batch_stream(task: Task, tokenizer: _Encoder, spec: BootstrapSpec, rng: rand
 
 def lr_at(step: int, spec: BootstrapSpec) -> float:
     """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.steps - 1 - spec.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
+    return warmup_cosine_lr(step, lr=spec.lr, warmup_steps=spec.warmup_steps,
+                            total_steps=spec.steps, min_ratio=spec.min_lr_ratio)
 
 
 def loss_on(model: CausalLM, batch: Batch) -> torch.Tensor:

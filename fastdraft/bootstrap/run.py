@@ -36,6 +36,7 @@ from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.models import CausalLM, save_model
 from fastdraft.rl.tasks import Problem, Task, get_task, length_percentiles
+from fastdraft.utils.atomic import publish_dir
 
 Log = Callable[[str], None]
 REPORT_FILE = "report.json"
@@ -140,12 +141,8 @@ def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int 
 def _publish(tmp: Path, final: Path) -> None:
     """Renames ``tmp`` onto ``final``; an existing ``final`` (forced rerun, partial leftover) is
     moved aside first. If another process published meanwhile, its complete result is kept."""
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        os.replace(final, old / "x")
-        shutil.rmtree(old, ignore_errors=True)
     try:
-        os.replace(tmp, final)
+        publish_dir(tmp, final)
     except OSError:
         if load_cached(final) is None:
             raise

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -14,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
+from fastdraft.utils.atomic import atomic_dir
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -23,21 +21,12 @@ _MATCH_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers",
 
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = None) -> None:
-    """Atomic: written to a temp dir beside out_dir, then renamed into place."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    """Atomic: a killed process never leaves a half-written drafter in place."""
+    with atomic_dir(out_dir) as tmp:
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(), **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Drafter:

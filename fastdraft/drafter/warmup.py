@@ -17,6 +17,7 @@ from fastdraft.drafter.checkpoint import save_drafter
 from fastdraft.drafter.losses import drafter_loss
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.models import CausalLM, load_model
+from fastdraft.utils.schedule import warmup_cosine_lr
 
 Log = Callable[[str], None]
 
@@ -88,10 +89,9 @@ def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg
     tokens, window = 0, []
     metrics: dict[str, float] = {}
     for step in range(cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        progress = max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         for group in opt.param_groups:
-            group["lr"] = lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+            group["lr"] = warmup_cosine_lr(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                           total_steps=cfg.steps, min_ratio=0.05)
         ids, valid = next(batches)
         with torch.no_grad():
             positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)

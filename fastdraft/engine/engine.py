@@ -70,7 +70,7 @@ class RolloutEngine:
         cache_len = max_seq_len + (spec.tokens_to_verify + 1 if spec.enabled else 0)
         self.runner = ModelRunner(model, max_batch_size, cache_len, compile)
         self.proposer: Proposer = make_proposer(spec, model, drafter, max_batch_size, cache_len,
-                                                _rope_len(max_seq_len, spec), compile)
+                                                compile)
         self.policy_version = 0
         self.drafter_version: int | None = 0 if spec.method != "none" else None
         self.rl_step = 0

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from safetensors.torch import save_file
 
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
+from fastdraft.utils.atomic import atomic_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "vocab.json", "merges.txt")
@@ -94,10 +93,7 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
                ) -> None:
     """Writes an HF checkpoint directory atomically (temp dir + rename): a killed process never
     leaves a half-written model where a complete one is expected."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf = model.config.to_hf_dict()
@@ -107,14 +103,3 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
             for name in _TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

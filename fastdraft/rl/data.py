@@ -12,11 +12,11 @@ named the columns.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from fastdraft.utils.atomic import atomic_write_text
 
 #: File suffix -> ``datasets`` builder name.
 SUPPORTED_SUFFIXES: dict[str, str] = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -71,16 +71,5 @@ def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | Path) -> None:
     Writes a temporary file in the destination directory (same filesystem, so ``os.replace`` is
     atomic), fsyncs it, then renames it over ``path``. Parent directories are created.
     """
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, dest)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(json.dumps(dict(row), ensure_ascii=False) + "\n"
+                                    for row in rows))

@@ -13,6 +13,7 @@ cumulative perturbed keys are NOT lossless after pruning; tests/engine/spec show
 from __future__ import annotations
 
 import heapq
+from pathlib import Path
 
 import torch
 
@@ -22,11 +23,10 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.probs import conditioned_gumbel_keys, processed_probs
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.engine.spec.tree import ROOT, DraftTree
-from fastdraft.models import AttnMeta, HiddenStates, KVView
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
 from fastdraft.models.packing import pack_for_inference
 
 
-@register_proposer("eagle")
 class EagleProposer(Proposer):
     source_id = 0
 
@@ -135,6 +135,21 @@ class EagleProposer(Proposer):
         return [_select(levels, b, cfg.tokens_to_verify, q_root[b],
                         None if q_all is None else q_all[b], greedy[b], self.source_id)
                 for b in range(batch)]
+
+
+@register_proposer("eagle")
+def create_eagle_proposer(*, model: CausalLM, drafter_path: str | Path | None, num_slots: int,
+                          cache_len: int, spec: SpecConfig, compile: bool = False,
+                          **_: object) -> EagleProposer:
+    """Loads the drafter (checked against the policy: a mismatch fails at engine start)."""
+    if drafter_path is None:
+        raise ValueError("spec method 'eagle' needs drafter=PATH: train one with "
+                         "`fastdraft drafter warmup --policy DIR`")
+    from fastdraft.drafter import load_drafter
+    positions = cache_len + max(spec.depth - 1, 0) * spec.topk + spec.depth + 2
+    drafter = load_drafter(drafter_path, model, max_positions=positions)
+    return EagleProposer(drafter=drafter, num_slots=num_slots, cache_len=cache_len, spec=spec,
+                         compile=compile)
 
 
 def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Atomic writes: readers (and a restarted run) see the old result or the whole new one, never a
+half-written file or directory, even if the process is killed mid-write."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> None:
+    """Renames a finished temp dir onto `final`; an existing `final` is moved aside first (a
+    directory cannot be replaced in one rename) and removed after."""
+    final = Path(final)
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, old / "x")
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+@contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yields a temp dir beside `final`; fill it, and on a clean exit it replaces `final`. On an
+    error the temp dir is removed and `final` is untouched."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Temp file in the same directory (same filesystem), fsync, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
