@@ -4,8 +4,10 @@ checkpoint + local prompt file."""
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -32,16 +34,23 @@ def default_drafter_dir(policy_dir: Path, kind: str) -> Path:
 
 
 def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagle1") -> Path:
-    """An explicit drafter dir, else the default one beside the policy (warmed up if missing)."""
+    """An explicit drafter dir, else the default one beside the policy, warmed up if missing or
+    if it was trained with other warm-up settings than today's defaults."""
     if drafter_dir is not None:
         return drafter_dir
+    from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
     out = default_drafter_dir(policy_dir, kind)
-    if not (out / "drafter_config.json").is_file():
-        from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
-        cfg = WarmupConfig(kind=kind)
+    cfg = WarmupConfig(kind=kind)
+    config_file = out / "drafter_config.json"
+    if config_file.is_file():
+        if json.loads(config_file.read_text()).get("warmup") == asdict(cfg):
+            return out
+        print(f"the drafter at {out} was warmed up with other settings than the current "
+              "defaults: warming up a new one")
+    else:
         print(f"no drafter at {out}: warming one up (offline, on the policy's rollouts)")
-        warmup_drafter(policy_dir, out, prompt_ids(policy_dir, None, cfg.num_rollouts,
-                                                   heldout=False), cfg)
+    warmup_drafter(policy_dir, out, prompt_ids(policy_dir, None, cfg.num_rollouts,
+                                               heldout=False), cfg)
     return out
 
 

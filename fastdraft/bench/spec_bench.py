@@ -17,6 +17,7 @@ import torch
 
 from fastdraft.bench.common import median_seconds, print_table, write_json
 from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.spec.tree import DraftTree
@@ -33,8 +34,8 @@ class SpecBenchConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     methods: tuple[str, ...] = METHODS
     depth: int = 6
-    topk: int = 4
-    tokens_to_verify: int = 16
+    topk: int = 3
+    tokens_to_verify: int = 12
     max_new_tokens: int = 160
     repeats: int = 3
     compile: bool = False  # torch.compile the policy steps (and the drafter step) of every method
@@ -119,14 +120,15 @@ def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200
     runner, spec = engine.runner, engine.spec
     drafter = engine.proposer.drafter  # type: ignore[attr-defined]
     n = spec.tokens_to_verify
-    tree = DraftTree(torch.full((n,), 5), torch.arange(-1, n - 1), None, None)
+    tree = DraftBatch.from_trees([DraftTree(torch.full((n,), 5), torch.arange(-1, n - 1),
+                                            None, None)])
     topk = spec.topk
 
     def decode() -> None:
         runner.decode([5], [context_len], [0])
 
     def verify() -> None:
-        runner.verify([5], [context_len], [tree], [0])
+        runner.verify([5], [context_len], tree, [0])
 
     feats = torch.zeros(1, topk, drafter.config.hidden_size)
     ids = torch.full((1, topk), 5)

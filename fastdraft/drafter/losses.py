@@ -26,26 +26,20 @@ def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
 
 
 def eagle1_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
-                valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, Metrics]:
-    """input_ids [B, T], hidden.final [B, T, H], valid [B, T] bool (real tokens), weights [B]
-    optional per-sample loss weights -> (1.0 * SmoothL1(f^, f) + 0.1 * soft-CE, metrics)."""
-    f = hidden.final.detach()
-    positions = torch.arange(1, input_ids.shape[1], device=input_ids.device).expand(
-        input_ids.shape[0], -1)
-    pred_f, logits = drafter.step(f[:, :-1], input_ids[:, 1:], positions)
-    target_f = f[:, 1:]
-    with torch.no_grad():
-        target_probs = lm_head(target_f).float().softmax(-1)
-    mask = (valid[:, 1:] & valid[:, :-1]).float()
-    if weights is not None:
-        mask = mask * weights.view(-1, 1)
-    reg = F.smooth_l1_loss(pred_f.float(), target_f.float(), reduction="none").mean(-1)
-    ce = soft_ce(logits, target_probs)
-    loss = _masked_mean(reg, mask) + 0.1 * _masked_mean(ce, mask)
-    top1 = _masked_mean((logits.argmax(-1) == target_probs.argmax(-1)).float(), mask.bool().float())
-    return loss, {"loss": loss.item(), "regression": _masked_mean(reg, mask).item(),
-                  "soft_ce": _masked_mean(ce, mask).item(), "top1_acc": top1.item()}
+                valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None,
+                num_steps: int = 1) -> tuple[torch.Tensor, Metrics]:
+    """EAGLE-1: 1.0 * SmoothL1(f^, f) + 0.1 * soft-CE per step. num_steps > 1 adds HASS-style
+    unrolled steps (the drafter's own features fed back), which is what deeper draft levels see."""
+    return unrolled_loss(drafter, input_ids, hidden, valid, lm_head, weights, num_steps,
+                         regression_weight=1.0, ce_weight=0.1)
+
+
+def eagle3_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
+                valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None,
+                num_steps: int = 3) -> tuple[torch.Tensor, Metrics]:
+    """EAGLE-3: soft-CE only, with a training-time test over num_steps."""
+    return unrolled_loss(drafter, input_ids, hidden, valid, lm_head, weights, num_steps,
+                         regression_weight=0.0, ce_weight=1.0)
 
 
 def ttt_mask(num_steps: int, length: int, device: torch.device) -> torch.Tensor:
@@ -64,17 +58,21 @@ def ttt_mask(num_steps: int, length: int, device: torch.device) -> torch.Tensor:
     return mask
 
 
-def eagle3_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
-                valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None,
-                num_steps: int = 3) -> tuple[torch.Tensor, Metrics]:
+def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
+                  valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None,
+                  num_steps: int, regression_weight: float, ce_weight: float
+                  ) -> tuple[torch.Tensor, Metrics]:
     """Training-time test over num_steps: step j feeds the drafter its own step-(j-1) outputs and
-    token t+1+j, scored by soft-CE against the policy at token t+1+j; loss = sum 0.8^j * CE_j.
+    token t+1+j, scored against the policy at token t+1+j (its features f_{t+1+j} by SmoothL1
+    when regression_weight > 0, its next-token distribution by soft-CE); loss = sum_j 0.8^j *
+    (regression_weight * SmoothL1_j + ce_weight * CE_j). input_ids [B, T], hidden [B, T, H],
+    valid [B, T] bool (tokens that may be scored), weights [B] optional per-sample weights.
     Each step re-runs the earlier steps' inputs (no cache: autograd-safe, k is small)."""
     batch, seq_len = input_ids.shape
     length = seq_len - 1
     feats = drafter.target_features(hidden)[:, :-1]
     final = hidden.final.detach()
-    full_mask = ttt_mask(num_steps, length, input_ids.device)
+    full_mask = ttt_mask(num_steps, length, input_ids.device) if num_steps > 1 else None
     t = torch.arange(length, device=input_ids.device)
     inputs_h, inputs_ids, inputs_pos = [], [], []
     total = torch.zeros((), device=input_ids.device)
@@ -87,17 +85,24 @@ def eagle3_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
         inputs_ids.append(input_ids[:, idx])
         inputs_pos.append((t + 1 + j).expand(batch, -1))
         n = (j + 1) * length
-        mask = full_mask[:n, :n].expand(batch, -1, -1)
+        attn = None if full_mask is None else AttnMeta(full_mask[:n, :n].expand(batch, -1, -1))
         out, logits = drafter.step(torch.cat(inputs_h, 1), torch.cat(inputs_ids, 1),
-                                   torch.cat(inputs_pos, 1), None, AttnMeta(mask))
+                                   torch.cat(inputs_pos, 1), None, attn)
         out, logits = out[:, -length:], logits[:, -length:]
+        target_f = final[:, idx]
         with torch.no_grad():
-            target_probs = lm_head(final[:, idx]).float().softmax(-1)
+            target_probs = lm_head(target_f).float().softmax(-1)
         step_mask = (valid[:, idx] & in_range & valid[:, :-1]).float()
         if weights is not None:
             step_mask = step_mask * weights.view(-1, 1)
         ce = _masked_mean(soft_ce(logits, target_probs), step_mask)
-        total = total + 0.8 ** j * ce
+        step_loss = ce_weight * ce
+        if regression_weight > 0:
+            reg = _masked_mean(F.smooth_l1_loss(out.float(), target_f.float(),
+                                                reduction="none").mean(-1), step_mask)
+            step_loss = step_loss + regression_weight * reg
+            metrics[f"regression_{j}"] = reg.item()
+        total = total + 0.8 ** j * step_loss
         acc = _masked_mean((logits.argmax(-1) == target_probs.argmax(-1)).float(),
                            step_mask.bool().float())
         metrics[f"soft_ce_{j}"], metrics[f"top1_acc_{j}"] = ce.item(), acc.item()
@@ -108,9 +113,13 @@ def eagle3_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
 
 def drafter_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
                  valid: torch.Tensor, lm_head: torch.nn.Module,
-                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
-    """The loss of the drafter's kind (registered below)."""
-    return LOSSES[drafter.kind](drafter, input_ids, hidden, valid, lm_head, weights)
+                 weights: torch.Tensor | None = None, num_steps: int | None = None
+                 ) -> tuple[torch.Tensor, Metrics]:
+    """The loss of the drafter's kind (registered below); num_steps None = the kind's default."""
+    loss = LOSSES[drafter.kind]
+    if num_steps is None:
+        return loss(drafter, input_ids, hidden, valid, lm_head, weights)
+    return loss(drafter, input_ids, hidden, valid, lm_head, weights, num_steps=num_steps)
 
 
 LOSSES = {"eagle1": eagle1_loss, "eagle3": eagle3_loss}

@@ -28,11 +28,16 @@ class WarmupConfig:
     num_rollouts: int = 2048
     rollout_temperature: float = 1.0
     max_new_tokens: int = 160
-    steps: int = 1500
+    steps: int = 4000
     batch_size: int = 32
     lr: float = 2e-3
     warmup_steps: int = 50
     seed: int = 0
+    # Unrolled training steps (the drafter fed its own features, as deeper draft levels are);
+    # None = the kind's default (EAGLE-1: 1, EAGLE-3: 3).
+    ttt_steps: int | None = None
+    # Score only pairs that draft answer tokens: prompt positions are never drafted in a rollout.
+    response_only: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
@@ -40,6 +45,8 @@ class WarmupConfig:
                 raise ValueError(f"WarmupConfig.{name} must be >= 1")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError("lr must be > 0 and warmup_steps in [0, steps)")
+        if self.ttt_steps is not None and self.ttt_steps < 1:
+            raise ValueError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +71,17 @@ def collect_rollouts(policy: CausalLM, prompts: list[list[int]], cfg: WarmupConf
     return [c.prompt_token_ids + c.token_ids for c in engine.generate(prompts, params)]
 
 
-def _batches(seqs: list[list[int]], batch_size: int, rng: random.Random):
-    """Endless length-bucketed right-padded batches: (input_ids [B, T], valid [B, T])."""
+def first_drafted_pair(prompt_len: int) -> int:
+    """Index t of the first (feature t, token t + 1) pair whose prediction is a drafted answer
+    token (t + 2 >= prompt_len): after prefill the drafter predicts answer token 2 from the pair
+    (last prompt token, answer token 1)."""
+    return max(prompt_len - 2, 0)
+
+
+def _batches(seqs: list[list[int]], batch_size: int, rng: random.Random,
+             score_from: list[int] | None = None):
+    """Endless length-bucketed right-padded batches: (input_ids [B, T], valid [B, T]); valid
+    marks the tokens that may be scored, from score_from[i] on (default: all)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     chunks = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     while True:
@@ -76,15 +92,17 @@ def _batches(seqs: list[list[int]], batch_size: int, rng: random.Random):
             valid = torch.zeros(len(chunk), width, dtype=torch.bool)
             for row, i in enumerate(chunk):
                 ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
-                valid[row, : len(seqs[i])] = True
+                valid[row, (score_from[i] if score_from else 0): len(seqs[i])] = True
             yield ids, valid
 
 
 def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg: WarmupConfig,
-                  log: Log = print) -> tuple[int, dict[str, float]]:
-    """AdamW + warmup/cosine over the rollouts; returns (tokens seen, last logged metrics)."""
+                  log: Log = print, score_from: list[int] | None = None
+                  ) -> tuple[int, dict[str, float]]:
+    """AdamW + warmup/cosine over the rollouts; returns (tokens seen, last logged metrics).
+    score_from[i]: first position of sequence i whose pair is scored (default: all)."""
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.0)
-    batches = _batches(seqs, cfg.batch_size, random.Random(cfg.seed))
+    batches = _batches(seqs, cfg.batch_size, random.Random(cfg.seed), score_from)
     drafter.train()
     tokens, window = 0, []
     metrics: dict[str, float] = {}
@@ -96,7 +114,8 @@ def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg
         with torch.no_grad():
             positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
             _, hidden = policy(ids, positions, aux_layers=drafter.aux_layers)
-        loss, m = drafter_loss(drafter, ids, hidden, valid, policy.lm_head)
+        loss, m = drafter_loss(drafter, ids, hidden, valid, policy.lm_head,
+                               num_steps=cfg.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -124,7 +143,8 @@ def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[li
     log(f"collected {len(seqs)} rollouts ({sum(map(len, seqs))} tokens) in {rollout_s:.1f}s")
     drafter = build_drafter(cfg.kind, policy.config, policy.rope.cos.shape[0]).attach(policy)
     start = time.perf_counter()
-    tokens, metrics = train_drafter(drafter, policy, seqs, cfg, log)
+    score_from = ([first_drafted_pair(len(p)) for p in prompts] if cfg.response_only else None)
+    tokens, metrics = train_drafter(drafter, policy, seqs, cfg, log, score_from)
     train_s = time.perf_counter() - start
     save_drafter(drafter, out_dir, extra={"warmup": asdict(cfg)})
     return WarmupReport(Path(out_dir), cfg.kind, len(seqs), tokens, rollout_s, train_s,

@@ -19,11 +19,13 @@ from fastdraft.engine.request import Completion, Request
 from fastdraft.engine.sampler import SamplingTensors, sample, sample_greedy
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Committed, Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
-from fastdraft.engine.spec.verify import verify
+from fastdraft.engine.spec.tree import Accepted
+from fastdraft.engine.spec.verify import verify, verify_greedy_batch
 from fastdraft.models import CausalLM, load_model, load_named_tensors
 
 OnFinish = Callable[[Completion], None]
@@ -167,23 +169,20 @@ class RolloutEngine:
     def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """propose -> verify (one policy forward over every tree) -> accept -> postprocess."""
         requests = batch.requests
-        trees = self.proposer.propose(requests, self.spec)
+        drafts = self.proposer.propose(requests, self.spec)
         root_pos = [r.num_tokens - 1 for r in requests]
-        logits, hidden = self.runner.verify([r.last_token_id for r in requests], root_pos, trees,
+        logits, hidden = self.runner.verify([r.last_token_id for r in requests], root_pos, drafts,
                                             [r.slot for r in requests], self.proposer.aux_layers)
-        accepted = [verify(tree, logits[b, : 1 + tree.num_nodes], r.params, r.generator)
-                    for b, (tree, r) in enumerate(zip(trees, requests))]
+        accepted = self._accept(requests, drafts, logits)
+        start = self.runner.tree_start(root_pos)
         slots, src, dst = [], [], []
         for r, p, acc in zip(requests, root_pos, accepted):
             for j, node in enumerate(acc.node_ids):
                 slots.append(r.slot)
-                src.append(p + 1 + node)
+                src.append(start + node)
                 dst.append(p + 1 + j)
         self.runner.compact(slots, src, dst)
-        for tree, r, acc in zip(trees, requests, accepted):
-            sources = tree.sources.tolist() if tree.sources is not None else []
-            depth = max(tree.depth_list(), default=0)
-            r.spec.record(tree.num_nodes, depth, [sources[n] for n in acc.node_ids])
+        self._record_stats(requests, drafts, accepted)
         finished = scheduler.postprocess(batch, [a.token_ids for a in accepted],
                                          [a.logprobs for a in accepted])
         done = {id(r) for r in finished}
@@ -193,11 +192,27 @@ class RolloutEngine:
                 continue
             # The policy's hidden states of the root and the accepted nodes: the token before
             # each newly committed token.
-            rows = torch.tensor([0, *(1 + n for n in acc.node_ids)], device=hidden.final.device)
+            rows = [0, *(1 + n for n in acc.node_ids)]
             committed.append(Committed(r, acc.token_ids, p + 1, hidden.final[b, rows],
                                        tuple(a[b, rows] for a in hidden.aux)))
         self.proposer.on_commit(committed)
         return finished
+
+    @staticmethod
+    def _accept(requests: list[Request], drafts: DraftBatch, logits: torch.Tensor
+                ) -> list[Accepted]:
+        if all(r.params.is_greedy for r in requests):
+            return verify_greedy_batch(drafts, logits)
+        return [verify(drafts.tree(b), logits[b, : 1 + drafts.num_nodes[b]], r.params,
+                       r.generator) for b, r in enumerate(requests)]
+
+    @staticmethod
+    def _record_stats(requests: list[Request], drafts: DraftBatch,
+                      accepted: list[Accepted]) -> None:
+        sources, depths = drafts.sources.tolist(), drafts.depths.tolist()
+        for b, (r, acc) in enumerate(zip(requests, accepted)):
+            n = drafts.num_nodes[b]
+            r.spec.record(n, max(depths[b][:n], default=0), [sources[b][i] for i in acc.node_ids])
 
     # ------------------------------------------------------------------------------- helpers
     def _make_requests(self, prompts: list[list[int]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.engine.spec.tree import DraftTree
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
 from fastdraft.models.packing import pack_for_inference
 
@@ -23,22 +23,18 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache_len = cache_len
-        shape = (num_slots, cfg.num_key_value_heads, cache_len, cfg.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                        for _ in range(cfg.num_hidden_layers)]
+        # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads,
+                                    cache_len, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.k_cache = list(self.kv_cache[:, 0].unbind(0))
+        self.v_cache = list(self.kv_cache[:, 1].unbind(0))
         self._last_slots: tuple[int, ...] = ()
         self._last_kv: KVView | None = None
 
     def _kv(self, slots: list[int]) -> KVView:
         key = tuple(slots)
         if key != self._last_slots:  # the decode batch is the same step after step
-            start = slots[0]
-            is_range = slots == list(range(start, start + len(slots)))
-            self._last_kv = KVView(self.k_cache, self.v_cache,
-                                   torch.tensor(slots, device=self.device),
-                                   start if is_range else None)
+            self._last_kv = KVView.for_slots(self.k_cache, self.v_cache, slots)
             self._last_slots = key
         return self._last_kv
 
@@ -71,34 +67,32 @@ class ModelRunner:
         return logits[:, 0]
 
     @torch.inference_mode()
-    def verify(self, root_ids: list[int], root_pos: list[int], trees: list[DraftTree],
+    def verify(self, root_ids: list[int], root_pos: list[int], drafts: DraftBatch,
                slots: list[int], aux_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, HiddenStates]:
         """One policy forward over [root, tree nodes] per request -> (logits [B, 1 + N, V],
-        hidden [B, 1 + N, H]). Root at its position; node i at root_pos + depth(i), its K/V in
-        the scratch cells root_pos + 1 + i; each node sees the context and its own ancestors."""
-        batch, width = len(trees), 1 + max(t.num_nodes for t in trees)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        pos = torch.zeros(batch, width, dtype=torch.long)
-        cache_pos = torch.zeros(batch, width, dtype=torch.long)
-        ctx_len = max(root_pos) + width
-        mask = torch.zeros(batch, width, ctx_len, dtype=torch.bool)
-        root = torch.tensor(root_pos)
-        ids[:, 0] = torch.tensor(root_ids)
-        pos[:] = root.unsqueeze(1)
-        cache_pos[:] = root.unsqueeze(1) + torch.arange(width)
-        mask[:] = torch.arange(ctx_len) <= root.view(-1, 1, 1)
-        for b, (tree, p) in enumerate(zip(trees, root_pos)):
-            n = tree.num_nodes
-            if n:
-                ids[b, 1 : n + 1] = tree.tokens.cpu()
-                pos[b, 1 : n + 1] += torch.tensor(tree.depth_list())
-                mask[b, 1 : n + 1, p + 1 : p + 1 + n] = tree.ancestor_mask()
+        hidden [B, 1 + N, H]). The root sits at its position; node i at root_pos + depth(i), its
+        K/V in scratch cell `tree_start(root_pos) + i` (past every row's context); each node sees
+        its row's context and its own ancestors."""
         dev = self.device
-        meta = AttnMeta(mask.to(dev), cache_positions=cache_pos.to(dev))
-        logits, hidden = self.step_model(ids.to(dev), pos.to(dev), self._kv(slots), meta,
-                                         aux_layers=aux_layers)
-        return logits, hidden
+        batch, num = drafts.tokens.shape
+        start = self.tree_start(root_pos)
+        root_id, root = torch.tensor([root_ids, root_pos], device=dev).unsqueeze(-1)  # [B, 1]
+        ids = torch.cat([root_id, drafts.tokens], 1)
+        pos = torch.cat([root, root + drafts.depths], 1)
+        cache_pos = torch.cat([root, torch.arange(start, start + num, device=dev).expand(
+            batch, -1)], 1)
+        sees_context = (torch.arange(start, device=dev) <= root).unsqueeze(1)   # [B, 1, start]
+        sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=dev),
+                               drafts.ancestors], 1)                         # [B, 1 + N, N]
+        mask = torch.cat([sees_context.expand(-1, 1 + num, -1), sees_tree], 2)
+        return self.step_model(ids, pos, self._kv(slots), AttnMeta(mask, cache_positions=cache_pos),
+                               aux_layers=aux_layers)
+
+    @staticmethod
+    def tree_start(root_pos: list[int]) -> int:
+        """First scratch cell of a verify step's draft nodes (the same column for every row)."""
+        return max(root_pos) + 1
 
     @torch.inference_mode()
     def compact(self, slots: list[int], src: list[int], dst: list[int]) -> None:
@@ -107,5 +101,4 @@ class ModelRunner:
             return
         s = torch.tensor(slots, device=self.device)
         src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[s, :, dst_t] = cache[s, :, src_t]
+        self.kv_cache[:, :, s, :, dst_t] = self.kv_cache[:, :, s, :, src_t]

@@ -24,6 +24,13 @@ class KVView:
     slot_ids: torch.Tensor
     slot_start: int | None = None
 
+    @classmethod
+    def for_slots(cls, k: list[torch.Tensor], v: list[torch.Tensor], slots: list[int]
+                  ) -> KVView:
+        start = slots[0]
+        is_range = slots == list(range(start, start + len(slots)))
+        return cls(k, v, torch.tensor(slots, device=k[0].device), start if is_range else None)
+
 
 @dataclass(frozen=True, slots=True)
 class AttnMeta:

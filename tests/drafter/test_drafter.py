@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from fastdraft.drafter import build_drafter, load_drafter, save_drafter
 from fastdraft.drafter.losses import drafter_loss, eagle1_loss, ttt_mask
-from fastdraft.drafter.warmup import WarmupConfig, train_drafter
+from fastdraft.drafter.warmup import WarmupConfig, _batches, first_drafted_pair, train_drafter
 from fastdraft.engine.request import Request
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
@@ -107,3 +109,31 @@ def test_checkpoint_roundtrip_and_mismatch(policy, tmp_path):
         load_drafter(tmp_path / "d", other, 64)
     with pytest.raises(FileNotFoundError, match=r"drafter_config\.json"):
         load_drafter(tmp_path / "missing", policy, 64)
+
+
+def test_unrolled_eagle1_scores_every_step_and_step0_is_classic_eagle1(policy):
+    torch.manual_seed(2)
+    drafter = build_drafter("eagle1", policy.config, 64).attach(policy)
+    ids = torch.randint(3, 64, (2, 9))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        _, hidden = policy(ids, torch.arange(9).expand(2, -1))
+        one, m1 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head)
+        three, m3 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head, num_steps=3)
+    assert {"regression_0", "soft_ce_0", "top1_acc_0"} <= m1.keys()
+    assert {"regression_2", "soft_ce_2", "top1_acc_2"} <= m3.keys()
+    # Step 0 sees the same pairs either way (the TTT mask's first block is causal).
+    assert m3["soft_ce_0"] == pytest.approx(m1["soft_ce_0"], abs=1e-5)
+    assert m3["regression_0"] == pytest.approx(m1["regression_0"], abs=1e-6)
+    assert three.item() > one.item()
+
+
+def test_response_only_batches_score_from_the_first_drafted_pair():
+    assert first_drafted_pair(5) == 3 and first_drafted_pair(1) == 0
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4]]
+    ids, valid = next(_batches(seqs, 2, random.Random(0), score_from=[3, 1]))
+    rows = {tuple(r.tolist()): v.tolist() for r, v in zip(ids, valid)}
+    assert rows[(1, 2, 3, 4, 5, 6)] == [False, False, False, True, True, True]
+    assert rows[(1, 2, 3, 4, 0, 0)] == [False, True, True, True, False, False]
+    with pytest.raises(ValueError, match="ttt_steps"):
+        WarmupConfig(ttt_steps=0)

@@ -12,17 +12,20 @@ cumulative perturbed keys are NOT lossless after pruning; tests/engine/spec show
 
 from __future__ import annotations
 
-import heapq
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from fastdraft.drafter.base import Drafter
 from fastdraft.engine.request import Request
+from fastdraft.engine.sampler import SamplingTensors, filter_top_k_top_p
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.probs import conditioned_gumbel_keys, processed_probs
+from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
+from fastdraft.engine.spec.probs import conditioned_gumbel_keys
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
-from fastdraft.engine.spec.tree import ROOT, DraftTree
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
 from fastdraft.models.packing import pack_for_inference
 
@@ -51,6 +54,7 @@ class EagleProposer(Proposer):
                                      device=self.device)
         self.root_logits = torch.zeros(num_slots, cfg.vocab_size, device=self.device)
         self.root_pos = [0] * num_slots
+        self._layouts: dict[tuple[int, int], DraftLayout] = {}
 
     @property
     def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -63,78 +67,108 @@ class EagleProposer(Proposer):
         if not committed:
             return
         lens = [len(c.token_ids) for c in committed]
-        batch, width, hidden = len(committed), max(lens), self.drafter.config.hidden_size
-        final = torch.zeros(batch, width, hidden, dtype=self.dtype, device=self.device)
-        aux = [torch.zeros_like(final) for _ in self.aux_layers]
-        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        pos = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        for b, c in enumerate(committed):
-            n = lens[b]
-            final[b, :n] = c.final
-            for a, src in zip(aux, c.aux):
-                a[b, :n] = src
-            ids[b, :n] = torch.tensor(c.token_ids, device=self.device)
-            # Padding rows write junk past the request's end, where nothing reads it.
-            pos[b] = torch.arange(c.start_pos, c.start_pos + width).clamp_max(self.cache_len - 1)
-        feats = self.drafter.target_features(HiddenStates(final, tuple(aux)))
-        cols = torch.arange(int(pos.max()) + 1, device=self.device)
+        width, dev = max(lens), self.device
+        final = _pad([c.final for c in committed])
+        aux = tuple(_pad(list(layer)) for layer in zip(*(c.aux for c in committed)))
+        ids = torch.tensor([c.token_ids + [0] * (width - len(c.token_ids)) for c in committed],
+                           device=dev)
+        # Padding rows write junk past the request's end, where nothing reads it.
+        top = self.cache_len - 1
+        pos = torch.tensor([[min(p, top) for p in range(c.start_pos, c.start_pos + width)]
+                            for c in committed], device=dev)
+        feats = self.drafter.target_features(HiddenStates(final.to(self.dtype), aux))
+        cols = torch.arange(min(max(c.start_pos for c in committed) + width, self.cache_len),
+                            device=dev)
         mask = (cols >= 1) & (cols <= pos.unsqueeze(-1))  # position 0 never holds a pair
-        slots = torch.tensor([c.request.slot for c in committed], device=self.device)
-        out, logits = self.draft_step(feats, ids, pos, KVView(self.k, self.v, slots),
-                                        AttnMeta(mask, cache_positions=pos))
-        for b, c in enumerate(committed):
-            slot, last = c.request.slot, lens[b] - 1
-            self.root_feat[slot] = out[b, last]
-            self.root_logits[slot] = logits[b, last].float()
-            self.root_pos[slot] = c.start_pos + last
+        slot_list = [c.request.slot for c in committed]
+        out, logits = self.draft_step(feats, ids, pos,
+                                      KVView.for_slots(self.k, self.v, slot_list),
+                                      AttnMeta(mask, cache_positions=pos))
+        rows, last, slots = torch.tensor([list(range(len(committed))), [n - 1 for n in lens],
+                                          slot_list], device=dev)
+        self.root_feat[slots] = out[rows, last]
+        self.root_logits[slots] = logits[rows, last].float()
+        for c, n in zip(committed, lens):
+            self.root_pos[c.request.slot] = c.start_pos + n - 1
 
     # ------------------------------------------------------------------------- draft trees
     @torch.inference_mode()
-    def propose(self, requests: list[Request], cfg: SpecConfig) -> list[DraftTree]:
-        batch, k = len(requests), cfg.topk
-        slots = torch.tensor([r.slot for r in requests], device=self.device)
-        root_pos = torch.tensor([self.root_pos[r.slot] for r in requests], device=self.device)
-        greedy = [r.params.is_greedy for r in requests]
-        q_root = _probs(self.root_logits[slots].unsqueeze(1), requests)[:, 0]   # [B, V]
-        zero = torch.zeros(batch, 1, device=self.device)
-        tok, key = _draw(q_root.unsqueeze(1), zero, k, requests)             # [B, 1, k]
-        tok, key = tok[:, 0], key[:, 0]                                      # level 1: [B, k]
-        levels = [(tok, key, torch.full_like(tok, ROOT))]  # (tokens, cum key, parent scratch)
-        scratch_q: list[torch.Tensor] = []                 # q of each expanded node [B, k, V]
-        anc = torch.zeros(batch, 0, 0, dtype=torch.bool, device=self.device)
-        feat_of_scratch = torch.zeros(batch, 0, self.root_feat.shape[1], dtype=self.dtype,
-                                      device=self.device)
-        for depth in range(1, cfg.depth):
-            tok, key, parent = levels[-1]
-            order = key.topk(min(k, key.shape[1]), dim=1).indices              # frontier [B, K]
-            f_tok, f_parent = tok.gather(1, order), parent.gather(1, order)
-            num_f = f_tok.shape[1]
-            start = feat_of_scratch.shape[1]
-            new_scratch = torch.arange(start, start + num_f, device=self.device)
-            # Features of each frontier node's parent: the root's, or an expanded node's output.
-            parent_feat = torch.where(
-                (f_parent == ROOT).unsqueeze(-1), self.root_feat[slots].unsqueeze(1),
-                feat_of_scratch.gather(1, f_parent.clamp_min(0).unsqueeze(-1).expand(
-                    -1, -1, feat_of_scratch.shape[2])) if start else
-                self.root_feat[slots].unsqueeze(1))
-            anc = _grow_ancestors(anc, f_parent, num_f)
-            cache_pos = root_pos.unsqueeze(1) + 1 + new_scratch.unsqueeze(0)
-            positions = (root_pos + depth).unsqueeze(1).expand(-1, num_f)
-            mask = _tree_mask(root_pos, anc[:, start:], int(cache_pos.max()) + 1)
-            out, logits = self.draft_step(parent_feat, f_tok, positions,
-                                            KVView(self.k, self.v, slots),
-                                            AttnMeta(mask, cache_positions=cache_pos))
-            feat_of_scratch = torch.cat([feat_of_scratch, out], 1)
-            q = _probs(logits, requests)                                       # [B, K, V]
-            scratch_q.append(q)
-            c_tok, c_key = _draw(q, key.gather(1, order), k, requests)         # [B, K, k]
-            levels[-1] = (tok, key, parent, order, new_scratch)  # type: ignore[assignment]
-            levels.append((c_tok.flatten(1), c_key.flatten(1),
-                           new_scratch.repeat_interleave(k).expand(batch, -1)))
-        q_all = torch.cat(scratch_q, 1) if scratch_q else None
-        return [_select(levels, b, cfg.tokens_to_verify, q_root[b],
-                        None if q_all is None else q_all[b], greedy[b], self.source_id)
-                for b in range(batch)]
+    def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
+        """EAGLE-2 expansion of every request at once, then the best tokens_to_verify nodes."""
+        batch, vocab = len(requests), self.root_logits.shape[1]
+        k = min(cfg.topk, vocab)
+        layout = self._layout(cfg.depth, k)
+        dev, hidden = self.device, self.root_feat.shape[1]
+        slot_list = [r.slot for r in requests]
+        slots = torch.tensor(slot_list, device=dev)
+        root_pos_list = [self.root_pos[s] for s in slot_list]
+        root_pos = torch.tensor(root_pos_list, device=dev).unsqueeze(1)                # [B, 1]
+        sampling = _sampling_rows(requests, vocab, dev)
+        kv = KVView.for_slots(self.k, self.v, slot_list)
+        # Expanded node s keeps its K/V in cell start + s, past every row's committed pairs.
+        # mask[:, s] is what node s attends to: its row's committed pairs, then its scratch
+        # ancestors-or-self (the columns past start, filled in as the levels expand).
+        start, num_scratch = max(root_pos_list) + 1, layout.num_scratch
+        mask = torch.zeros(batch, num_scratch, start + num_scratch, dtype=torch.bool, device=dev)
+        cols = torch.arange(start, device=dev)
+        mask[:, :, :start] = ((cols >= 1) & (cols <= root_pos)).unsqueeze(1)
+        scratch_anc = mask[:, :, start:]                                              # [B, S, S]
+        scratch_anc.copy_(torch.eye(num_scratch, dtype=torch.bool, device=dev))   # self
+        scratch_feat = torch.empty(batch, num_scratch, hidden, dtype=self.dtype, device=dev)
+        cells = (start + torch.arange(num_scratch, device=dev)).view(-1, k)          # [D-1, k]
+        positions = root_pos + torch.arange(1, cfg.depth, device=dev)                 # [B, D-1]
+
+        log_q, q = _draft_dist(self.root_logits[slots].unsqueeze(1), sampling)      # [B, 1, V]
+        tok, key = _children(log_q, torch.zeros(batch, 1, device=dev), k, requests, sampling)
+        tokens, keys, q_rows = [tok.flatten(1)], [key.flatten(1)], [q]
+        orders = []  # per expanded level: which of its candidates were expanded [B, k]
+        for level in range(1, cfg.depth):
+            new = slice((level - 1) * k, level * k)
+            if level == 1:  # the root's children, already in key order
+                f_key, f_tok = keys[0], tokens[0]
+                feat = self.root_feat[slots].unsqueeze(1).expand(-1, k, -1)
+                orders.append(torch.arange(k, device=dev).expand(batch, -1))
+            else:
+                f_key, order = keys[-1].topk(k, dim=1)                                # [B, k]
+                f_tok = tokens[-1].gather(1, order)
+                parent = (level - 2) * k + order // k                                 # scratch
+                feat = scratch_feat.gather(1, parent.unsqueeze(-1).expand(-1, -1, hidden))
+                scratch_anc[:, new] |= scratch_anc.gather(
+                    1, parent.unsqueeze(-1).expand(-1, -1, num_scratch))
+                orders.append(order)
+            out, logits = self.draft_step(
+                feat, f_tok, positions[:, level - 1: level].expand(-1, k), kv,
+                AttnMeta(mask[:, new], cache_positions=cells[level - 1].expand(batch, -1)))
+            scratch_feat[:, new] = out
+            log_q, q = _draft_dist(logits, sampling)                                # [B, k, V]
+            tok, key = _children(log_q, f_key, k, requests, sampling)              # [B, k, k]
+            tokens.append(tok.flatten(1))
+            keys.append(key.flatten(1))
+            q_rows.append(q)
+        # Global candidate index of every expanded node, in scratch order.
+        expanded = (torch.cat(orders, 1) + layout.scratch_level_start if orders
+                    else torch.zeros(batch, 0, dtype=torch.long, device=dev))
+        drafts, node_scratch = select_tree(layout, torch.cat(tokens, 1), torch.cat(keys, 1),
+                                           expanded, scratch_anc, cfg.tokens_to_verify,
+                                           self.source_id, may_pad=sampling is not None)
+        if sampling is None:
+            return drafts
+        # Sampled rows: the q each parent's children were drawn from (root row, then per node
+        # the q of its expansion; rows of unexpanded nodes are unused).
+        if num_scratch:
+            node_q = torch.cat(q_rows[1:], 1).gather(
+                1, node_scratch.clamp_min(0).unsqueeze(-1).expand(-1, -1, vocab))
+        else:  # depth 1: no node has children
+            node_q = q_rows[0].expand(-1, drafts.width, -1)
+        probs = torch.cat([q_rows[0], node_q], 1)
+        is_sampled = (~sampling.is_greedy).unsqueeze(1).expand(-1, probs.shape[1])
+        return replace(drafts, parent_probs=probs, is_sampled=is_sampled)
+
+    def _layout(self, depth: int, k: int) -> DraftLayout:
+        key = (depth, k)
+        if key not in self._layouts:
+            self._layouts[key] = DraftLayout.build(depth, k, self.device)
+        return self._layouts[key]
 
 
 @register_proposer("eagle")
@@ -152,96 +186,54 @@ def create_eagle_proposer(*, model: CausalLM, drafter_path: str | Path | None, n
                          compile=compile)
 
 
-def _probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """[B, K, V] logits -> draft probabilities q, each row with its request's params (greedy
-    requests rank children by the plain softmax; their trees are verified by argmax)."""
-    return torch.stack([logits[b].float().softmax(-1) if r.params.is_greedy
-                        else processed_probs(logits[b].float(), r.params)
-                        for b, r in enumerate(requests)])
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[n_b, H] rows -> [B, max n_b, H], zero-padded (a view when there is a single row)."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else pad_sequence(rows, batch_first=True)
 
 
-def _draw(q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request]
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, K, V], parent_key [B, K] -> (tokens, keys) [B, K, k]. Greedy rows: the top-k of q,
-    key = parent key + log q. Sampling rows: k draws without replacement from q, in draw order,
-    with keys conditioned on the parent key (top-down Gumbel)."""
-    keys = parent_key.unsqueeze(-1) + q.clamp_min(1e-30).log()
+def _sampling_rows(requests: list[Request], vocab: int, device: torch.device
+                   ) -> SamplingTensors | None:
+    """Per-row sampling settings, or None when every request is greedy (the fast path)."""
+    if all(r.params.is_greedy for r in requests):
+        return None
+    return SamplingTensors.build([r.params for r in requests], vocab, device)
+
+
+def _draft_dist(logits: torch.Tensor, sampling: SamplingTensors | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, K, V] drafter logits -> (log q, q or None). Greedy rows rank children by the plain
+    softmax (their trees are verified by argmax); sampling rows draw from q processed with the
+    row's own temperature / top-k / top-p, and q is what verification divides by."""
+    logits = logits.float()
+    if sampling is None:
+        return logits.log_softmax(-1), None
+    batch, num, vocab = logits.shape
+    scaled = logits / sampling.temperature.view(-1, 1, 1)
+    if sampling.needs_filter:
+        scaled = filter_top_k_top_p(scaled.reshape(-1, vocab),
+                                    sampling.top_k.repeat_interleave(num),
+                                    sampling.top_p.repeat_interleave(num)).view(batch, num, vocab)
+    q = scaled.softmax(-1)
+    q = torch.where(sampling.is_greedy.view(-1, 1, 1), logits.softmax(-1), q)
+    return torch.where(q > 0, q.log(), float("-inf")), q
+
+
+def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request],
+              sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_q [B, K, V], parent_key [B, K] -> (tokens, keys) [B, K, k] in key order. Greedy rows:
+    the top-k of q, key = parent key + log q. Sampling rows: k draws without replacement from q,
+    in draw order, keyed by the top-down Gumbel conditioned on the parent key."""
+    keys = parent_key.unsqueeze(-1) + log_q
+    if sampling is None:  # greedy: log-softmax is finite, so keys are too
+        top = keys.topk(k, dim=-1)
+        return top.indices, top.values
+    noise = torch.empty_like(log_q).exponential_()
     for b, r in enumerate(requests):
-        if not r.params.is_greedy:
-            log_q = torch.where(q[b] > 0, q[b].log(), float("-inf"))
-            keys[b] = conditioned_gumbel_keys(log_q, parent_key[b], r.generator)
-    top = keys.topk(min(k, q.shape[-1]), dim=-1)
+        if r.generator is not None and not r.params.is_greedy:
+            noise[b].exponential_(generator=r.generator)
+    gumbel = conditioned_gumbel_keys(log_q, parent_key, noise=noise)
+    keys = torch.where(sampling.is_greedy.view(-1, 1, 1), keys, gumbel)
+    # Children of a non-candidate (-inf key) are non-candidates too (no NaN from -inf - -inf).
+    keys = keys.masked_fill(torch.isneginf(parent_key).unsqueeze(-1), float("-inf"))
+    top = keys.topk(k, dim=-1)
     return top.indices, top.values
-
-
-def _grow_ancestors(anc: torch.Tensor, f_parent: torch.Tensor, num_new: int) -> torch.Tensor:
-    """anc [B, S, S] (row s = ancestors-or-self of expanded node s) -> with num_new nodes added,
-    each inheriting its parent's row (f_parent [B, num_new], ROOT = none)."""
-    batch, s = anc.shape[0], anc.shape[1]
-    grown = torch.zeros(batch, s + num_new, s + num_new, dtype=torch.bool, device=anc.device)
-    grown[:, :s, :s] = anc
-    if s:
-        inherited = anc.gather(1, f_parent.clamp_min(0).unsqueeze(-1).expand(-1, -1, s))
-        grown[:, s:, :s] = inherited & (f_parent >= 0).unsqueeze(-1)
-    grown[:, s:, s:] = torch.eye(num_new, dtype=torch.bool, device=anc.device)
-    return grown
-
-
-def _tree_mask(root_pos: torch.Tensor, anc_rows: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """[B, K, ctx_len]: committed pairs 1..root_pos, plus the scratch slots of each node's
-    expanded ancestors-or-self (scratch s lives at cache position root_pos + 1 + s)."""
-    batch, num, num_scratch = anc_rows.shape
-    cols = torch.arange(ctx_len, device=root_pos.device)
-    mask = ((cols >= 1) & (cols <= root_pos.view(-1, 1, 1))).expand(batch, num, -1).clone()
-    scratch_cols = root_pos.view(-1, 1, 1) + 1 + torch.arange(num_scratch, device=cols.device)
-    mask.scatter_(2, scratch_cols.expand(-1, num, -1), anc_rows)
-    return mask
-
-
-def _select(levels: list, b: int, budget: int, q_root: torch.Tensor, q_scratch: torch.Tensor | None,
-            is_greedy: bool, source_id: int) -> DraftTree:
-    """Best-first by key from the root (ties: the earlier-created node first), so every kept
-    node's parent is kept and kept siblings are a prefix of their draw order. Returns request
-    b's DraftTree."""
-    children: dict[int, list[tuple[float, int]]] = {}
-    scratch_of: dict[tuple[int, int], int] = {}  # (level, index in level) -> scratch id
-    tokens_by: dict[tuple[int, int], int] = {}
-    for lvl, entry in enumerate(levels):
-        tok, key, parent = entry[0][b].tolist(), entry[1][b].tolist(), entry[2][b].tolist()
-        if len(entry) == 5:  # expanded level: frontier order -> scratch ids
-            for idx, s in zip(entry[3][b].tolist(), entry[4].tolist()):
-                scratch_of[(lvl, idx)] = s
-        for i, (t, kv, p) in enumerate(zip(tok, key, parent)):
-            if kv == float("-inf"):
-                continue
-            children.setdefault(p, []).append((-kv, lvl, i))  # type: ignore[arg-type]
-            tokens_by[(lvl, i)] = t
-    heap = list(children.get(ROOT, []))
-    heapq.heapify(heap)
-    out_tok, out_parent, out_scratch = [], [], []
-    node_of_scratch: dict[int, int] = {}
-    while heap and len(out_tok) < budget:
-        _, lvl, i, *rest = heapq.heappop(heap)
-        parent_node = rest[0] if rest else ROOT
-        node = len(out_tok)
-        out_tok.append(tokens_by[(lvl, i)])
-        out_parent.append(parent_node)
-        s = scratch_of.get((lvl, i))
-        out_scratch.append(-1 if s is None else s)
-        if s is not None:
-            node_of_scratch[s] = node
-            for neg_key, c_lvl, c_i in children.get(s, []):
-                heapq.heappush(heap, (neg_key, c_lvl, c_i, node))
-    device = q_root.device
-    tokens = torch.tensor(out_tok, dtype=torch.long, device=device)
-    parents = torch.tensor(out_parent, dtype=torch.long, device=device)
-    sources = torch.full((len(out_tok),), source_id, dtype=torch.int8, device=device)
-    if is_greedy:
-        return DraftTree(tokens, parents, None, None, sources)
-    probs = torch.zeros(len(out_tok) + 1, q_root.shape[-1], device=device)
-    probs[0] = q_root
-    for node, s in enumerate(out_scratch):
-        if s >= 0 and q_scratch is not None:
-            probs[node + 1] = q_scratch[s]
-    is_sampled = torch.ones(len(out_tok) + 1, dtype=torch.bool, device=device)
-    return DraftTree(tokens, parents, probs, is_sampled, sources)

@@ -53,7 +53,8 @@ def policy_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def conditioned_gumbel_keys(log_q: torch.Tensor, parent_key: torch.Tensor,
-                            generator: torch.Generator | None = None) -> torch.Tensor:
+                            generator: torch.Generator | None = None,
+                            noise: torch.Tensor | None = None) -> torch.Tensor:
     """Perturbed keys of the children of tree nodes, conditioned so that their max == parent key.
 
     log_q [..., V] (draft log-probs, -inf = excluded), parent_key [...] -> keys [..., V].
@@ -64,8 +65,11 @@ def conditioned_gumbel_keys(log_q: torch.Tensor, parent_key: torch.Tensor,
     tree in which every node's kept children are a prefix of its draw order. A proposer that
     prunes a sampled tree by key must use these keys: with the naive cumulative key
     (parent key + log q + fresh Gumbel) the pruned tree is NOT lossless under verification.
+    noise: Exp(1) samples shaped like log_q (drawn from `generator` when not given).
     """
-    gumbel = -torch.empty_like(log_q).exponential_(generator=generator).log()
+    if noise is None:
+        noise = torch.empty_like(log_q).exponential_(generator=generator)
+    gumbel = -noise.log()
     keys = parent_key.unsqueeze(-1) + log_q + gumbel
     top = keys.amax(dim=-1, keepdim=True)
     # keys' = -log(exp(-T) - exp(-Z) + exp(-keys)) computed stably (Kool et al. appendix B).

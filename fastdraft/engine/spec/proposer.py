@@ -1,6 +1,6 @@
 """The proposer contract between the engine and every draft source, and their registry.
 
-Per step the engine calls `propose` (one DraftTree per running request), verifies the trees with
+Per step the engine calls `propose` (a DraftBatch: one tree per running request), verifies them with
 the policy, then hands each request's newly committed tokens to `on_commit` together with the
 policy's hidden states of the tokens before them, so a drafter can keep its own cache in step.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from fastdraft.engine.request import Request
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tree import DraftTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +40,8 @@ class Proposer:
     def on_commit(self, committed: list[Committed]) -> None:
         """Called after prefill and after every verify step (finished requests excluded)."""
 
-    def propose(self, requests: list[Request], cfg: SpecConfig) -> list[DraftTree]:
-        return [DraftTree.empty() for _ in requests]
+    def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
+        return DraftBatch.empty(len(requests))
 
     def on_finish(self, request: Request) -> None:
         """Called once when a request finishes (frees per-request state)."""

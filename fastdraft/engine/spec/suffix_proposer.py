@@ -4,6 +4,7 @@ committed tokens, and every finished rollout as a source for later rollouts of t
 from __future__ import annotations
 
 from fastdraft.engine.request import Request
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.engine.spec.suffix import SuffixConfig, SuffixDrafter
@@ -35,9 +36,11 @@ class SuffixProposer(Proposer):
             else:
                 self.drafter.extend(key, c.token_ids)
 
-    def propose(self, requests: list[Request], cfg: SpecConfig) -> list[DraftTree]:
-        return [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
-                if self._key(r) in self._started else DraftTree.empty() for r in requests]
+    def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
+        return DraftBatch.from_trees(
+            [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
+             if self._key(r) in self._started else DraftTree.empty() for r in requests],
+            source_id=self.source_id)
 
     def on_finish(self, request: Request) -> None:
         key = self._key(request)

@@ -9,6 +9,7 @@ import torch
 
 from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.drafter import build_drafter, save_drafter
+from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.tree import DraftTree
@@ -29,7 +30,7 @@ class OracleProposer(Proposer):
         self.refs, self.rng, self.wrong_rate = references, random.Random(seed), wrong_rate
 
     def propose(self, requests, cfg):
-        return [self._tree(r, cfg) for r in requests]
+        return DraftBatch.from_trees([self._tree(r, cfg) for r in requests])
 
     def _tree(self, r, cfg) -> DraftTree:
         truth = self.refs[tuple(r.prompt_token_ids)][len(r.output_token_ids):]
