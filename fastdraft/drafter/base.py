@@ -47,10 +47,14 @@ class Drafter(nn.Module):
 
     # Detached: drafter gradients must never reach (or accumulate on) the policy's weights.
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self._borrowed["embed_tokens"].weight.detach())
+        return F.embedding(input_ids, self._borrowed_weight("embed_tokens"))
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self._borrowed["lm_head"].weight.detach())
+        return F.linear(h, self._borrowed_weight("lm_head"))
+
+    def _borrowed_weight(self, name: str) -> torch.Tensor:
+        weight = self._borrowed[name].weight
+        return weight.detach() if torch.is_grad_enabled() else weight
 
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:
         """[B, T, H] features of the policy's own tokens, the drafter's input at those tokens."""

@@ -24,7 +24,7 @@ from fastdraft.engine.sampler import SamplingTensors, filter_top_k_top_p
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
-from fastdraft.engine.spec.probs import conditioned_gumbel_keys
+from fastdraft.engine.spec.probs import conditioned_gumbel_topk
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
 from fastdraft.models.packing import pack_for_inference
@@ -208,14 +208,17 @@ def _draft_dist(logits: torch.Tensor, sampling: SamplingTensors | None
     if sampling is None:
         return logits.log_softmax(-1), None
     batch, num, vocab = logits.shape
-    scaled = logits / sampling.temperature.view(-1, 1, 1)
+    scaled = logits / sampling.temperature.view(-1, 1, 1)  # greedy rows: temperature 1
     if sampling.needs_filter:
-        scaled = filter_top_k_top_p(scaled.reshape(-1, vocab),
-                                    sampling.top_k.repeat_interleave(num),
-                                    sampling.top_p.repeat_interleave(num)).view(batch, num, vocab)
-    q = scaled.softmax(-1)
-    q = torch.where(sampling.is_greedy.view(-1, 1, 1), logits.softmax(-1), q)
-    return torch.where(q > 0, q.log(), float("-inf")), q
+        filtered = filter_top_k_top_p(scaled.reshape(-1, vocab),
+                                      sampling.top_k.repeat_interleave(num),
+                                      sampling.top_p.repeat_interleave(num))
+        scaled = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled,
+                             filtered.view(batch, num, vocab))
+    log_q = scaled.log_softmax(-1)   # filtered-out tokens: -inf, so q = 0 exactly
+    q = log_q.exp()
+    # A child is drawn only where q > 0, the q that verification divides by (no underflow gap).
+    return log_q.masked_fill(q == 0, float("-inf")), q
 
 
 def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request],
@@ -223,17 +226,24 @@ def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: l
     """log_q [B, K, V], parent_key [B, K] -> (tokens, keys) [B, K, k] in key order. Greedy rows:
     the top-k of q, key = parent key + log q. Sampling rows: k draws without replacement from q,
     in draw order, keyed by the top-down Gumbel conditioned on the parent key."""
-    keys = parent_key.unsqueeze(-1) + log_q
     if sampling is None:  # greedy: log-softmax is finite, so keys are too
-        top = keys.topk(k, dim=-1)
+        top = (parent_key.unsqueeze(-1) + log_q).topk(k, dim=-1)
         return top.indices, top.values
-    noise = torch.empty_like(log_q).exponential_()
-    for b, r in enumerate(requests):
-        if r.generator is not None and not r.params.is_greedy:
-            noise[b].exponential_(generator=r.generator)
-    gumbel = conditioned_gumbel_keys(log_q, parent_key, noise=noise)
-    keys = torch.where(sampling.is_greedy.view(-1, 1, 1), keys, gumbel)
-    # Children of a non-candidate (-inf key) are non-candidates too (no NaN from -inf - -inf).
-    keys = keys.masked_fill(torch.isneginf(parent_key).unsqueeze(-1), float("-inf"))
-    top = keys.topk(k, dim=-1)
-    return top.indices, top.values
+    # Exp(1) noise: seeded requests from their own generator, the others from the global RNG.
+    generators = [r.generator for r in requests]
+    noise = torch.empty_like(log_q)
+    if None in generators:
+        noise.exponential_()
+    for b, gen in enumerate(generators):
+        if gen is not None:
+            noise[b].exponential_(generator=gen)
+    if not any(r.params.is_greedy for r in requests):
+        tokens, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
+    else:
+        greedy = (parent_key.unsqueeze(-1) + log_q).topk(k, dim=-1)
+        tokens, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
+        is_greedy = sampling.is_greedy.view(-1, 1, 1)
+        tokens = torch.where(is_greedy, greedy.indices, tokens)
+        keys = torch.where(is_greedy, greedy.values, keys)
+    # Children of a non-candidate (-inf key) come out -inf too (see probs._condition).
+    return tokens, keys

@@ -69,12 +69,27 @@ def conditioned_gumbel_keys(log_q: torch.Tensor, parent_key: torch.Tensor,
     """
     if noise is None:
         noise = torch.empty_like(log_q).exponential_(generator=generator)
-    gumbel = -noise.log()
-    keys = parent_key.unsqueeze(-1) + log_q + gumbel
-    top = keys.amax(dim=-1, keepdim=True)
-    # keys' = -log(exp(-T) - exp(-Z) + exp(-keys)) computed stably (Kool et al. appendix B).
-    v = parent_key.unsqueeze(-1) - keys + torch.log1p(-torch.exp(keys - top))
-    out = parent_key.unsqueeze(-1) - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
-    # The maximum itself maps exactly to the parent key (log1p(-1) = -inf above gives that).
-    out = torch.where(keys == top, parent_key.unsqueeze(-1).expand_as(out), out)
-    return torch.where(torch.isneginf(log_q), torch.full_like(out, float("-inf")), out)
+    keys = parent_key.unsqueeze(-1) + log_q - noise.log()        # Gumbel(parent key + log q)
+    return _condition(keys, keys.amax(dim=-1, keepdim=True), parent_key)
+
+
+def conditioned_gumbel_topk(log_q: torch.Tensor, parent_key: torch.Tensor, k: int,
+                            noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """conditioned_gumbel_keys(log_q, parent_key, noise=noise).topk(k), computed cheaply: the
+    conditioning is increasing in the raw key, so the top-k of the raw keys are the same
+    children in the same order, and only those k keys need conditioning.
+    -> (indices, conditioned keys), both [..., k]."""
+    keys = parent_key.unsqueeze(-1) + log_q - noise.log()
+    top = keys.topk(k, dim=-1)
+    return top.indices, _condition(top.values, top.values[..., :1], parent_key)
+
+
+def _condition(keys: torch.Tensor, top: torch.Tensor, parent_key: torch.Tensor) -> torch.Tensor:
+    """Raw perturbed keys [..., n] with their max `top` [..., 1] -> keys conditioned on
+    max == parent_key [...]: -log(exp(-T) - exp(-Z) + exp(-keys)) (Kool et al. 2019),
+    as -logaddexp(-T, log(exp(-keys) - exp(-Z))). Increasing in keys; the max maps exactly to T
+    (its log term is -inf) and -inf stays -inf (its log term is +inf)."""
+    log_gap = torch.log1p(-torch.exp(keys - top)) - keys      # log(exp(-keys) - exp(-Z))
+    out = -torch.logaddexp(-parent_key.unsqueeze(-1), log_gap)
+    # A row with no finite key (a -inf parent: top = -inf) gives NaN above; its keys are -inf.
+    return out.masked_fill(torch.isneginf(keys), float("-inf"))

@@ -17,6 +17,7 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec import verify as verify_mod
 from fastdraft.engine.spec.probs import (
     conditioned_gumbel_keys,
+    conditioned_gumbel_topk,
     policy_logprobs,
     processed_probs,
 )
@@ -362,6 +363,18 @@ def test_conditioned_gumbel_keys_keep_the_draw_order_and_max_at_the_parent_key()
     z = raw.amax(-1, keepdim=True)
     direct = -torch.log(torch.exp(-parent[:, None]) - torch.exp(-z) + torch.exp(-raw))
     assert torch.allclose(keys[finite], direct[finite], atol=1e-9)
+
+
+def test_conditioned_gumbel_topk_is_the_topk_of_the_conditioned_keys() -> None:
+    log_q = torch.randn(40, 3, 8, dtype=torch.float64).log_softmax(-1)
+    log_q[:, :, 5] = -math.inf
+    parent = torch.randn(40, 3, dtype=torch.float64)
+    noise = torch.empty_like(log_q).exponential_(generator=torch.Generator().manual_seed(3))
+    want = conditioned_gumbel_keys(log_q, parent, noise=noise).topk(8, dim=-1)
+    idx, keys = conditioned_gumbel_topk(log_q, parent, 8, noise)
+    assert torch.equal(idx, want.indices)
+    torch.testing.assert_close(keys, want.values, atol=1e-12, rtol=0)
+    assert torch.isneginf(keys[..., -1]).all()  # the excluded token comes last, still -inf
 
 
 def test_conditioned_gumbel_first_child_is_distributed_as_q() -> None:
