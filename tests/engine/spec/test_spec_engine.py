@@ -117,6 +117,32 @@ def test_sampling_eagle_runs_and_reports_policy_logprobs(tiny_checkpoint, random
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
 
 
+def test_mixed_greedy_and_sampled_batch_keeps_greedy_rows_exact(tiny_checkpoint, random_drafter):
+    """Greedy and filtered sampling requests share one batch (and one draft expansion): the
+    greedy rows still equal plain greedy decoding, the sampled rows report policy logprobs."""
+    path, hf = tiny_checkpoint
+    prompts = _prompts(8, seed=3)
+    greedy = SamplingParams(greedy=True, max_new_tokens=20)
+    sampled = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4, max_new_tokens=20)
+    per_request = [greedy if i % 2 == 0 else sampled for i in range(len(prompts))]
+    plain = RolloutEngine(path, max_batch_size=4, max_seq_len=96).generate(prompts, greedy)
+    spec = SpecConfig(method="eagle", depth=4, topk=3, tokens_to_verify=10)
+    engine = RolloutEngine(path, max_batch_size=4, max_seq_len=96, spec=spec,
+                           drafter=random_drafter)
+    outs = engine.generate(prompts, per_request)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i % 2 == 0:
+            assert out.token_ids == plain[i].token_ids
+            continue
+        seq = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = hf(seq).logits[0, len(prompt) - 1: -1] / 0.7
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+        top5 = logits.topk(5, dim=-1).indices
+        assert all(t in row for t, row in zip(out.token_ids, top5.tolist()))  # top_k held
+
+
 def test_mismatched_drafter_is_refused(tiny_checkpoint, tmp_path):
     from tests.conftest import make_tiny_checkpoint
     make_tiny_checkpoint(tmp_path / "wide", hidden_size=96)
