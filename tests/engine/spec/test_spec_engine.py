@@ -143,6 +143,26 @@ def test_mixed_greedy_and_sampled_batch_keeps_greedy_rows_exact(tiny_checkpoint,
         assert all(t in row for t, row in zip(out.token_ids, top5.tolist()))  # top_k held
 
 
+@pytest.mark.parametrize("depth, topk, ttv", [(6, 3, 12), (4, 8, 30)])
+def test_trees_at_the_end_of_the_cache(tiny_checkpoint, random_drafter, depth, topk, ttv):
+    """Answers that run into max_seq_len: draft nodes and scratch cells sit past the last
+    committed cell; greedy still equals plain greedy and no answer outgrows the cache."""
+    path, _ = tiny_checkpoint
+    prompts = _prompts(8, seed=5)
+    spec = SpecConfig(method="eagle", depth=depth, topk=topk, tokens_to_verify=ttv)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_new_tokens=100,
+                                ignore_eos=True)
+        engine = RolloutEngine(path, max_batch_size=4, max_seq_len=28, spec=spec,
+                               drafter=random_drafter)
+        outs = engine.generate(prompts, params)
+        assert all(len(p) + len(o.token_ids) == 28 for p, o in zip(prompts, outs))
+        if temperature == 0.0:
+            plain = RolloutEngine(path, max_batch_size=4, max_seq_len=28).generate(prompts,
+                                                                                 params)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
 def test_mismatched_drafter_is_refused(tiny_checkpoint, tmp_path):
     from tests.conftest import make_tiny_checkpoint
     make_tiny_checkpoint(tmp_path / "wide", hidden_size=96)
