@@ -41,6 +41,22 @@ class SamplingTensors:
         )
 
 
+    def scale_and_filter(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, ..., V] (row b with row b's settings) -> (logits / T, the same with each
+        row's top-k / top-p filter applied). Plain sampling and sampled drafting both use it, so
+        the draft q and the target p are processed the same way."""
+        logits = logits.float()
+        batch, vocab = logits.shape[0], logits.shape[-1]
+        scaled = logits / self.temperature.view(batch, *[1] * (logits.dim() - 1))
+        if not self.needs_filter:
+            return scaled, scaled
+        per_row = scaled[0, ..., 0].numel()  # positions per batch row
+        filtered = filter_top_k_top_p(scaled.reshape(-1, vocab),
+                                      self.top_k.repeat_interleave(per_row),
+                                      self.top_p.repeat_interleave(per_row))
+        return scaled, filtered.view(scaled.shape)
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                        ) -> torch.Tensor:
     """logits [B, V] -> logits with tokens outside each row's top-k / top-p nucleus set to -inf.
@@ -62,13 +78,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     """logits [B, V] -> (token_ids [B], logprobs [B]) with logprobs of log-softmax(logits / T)."""
     if st.all_greedy:
         return sample_greedy(logits)
-    logits = logits.float()
-    scaled = logits / st.temperature.unsqueeze(-1)
-    filtered = filter_top_k_top_p(scaled, st.top_k, st.top_p) if st.needs_filter else scaled
+    scaled, filtered = st.scale_and_filter(logits)
     probs = filtered.softmax(dim=-1)
     noise = exponential_noise(probs.shape, generators, probs.device)
     sampled = (probs / noise).argmax(dim=-1)
-    token_ids = torch.where(st.is_greedy, logits.argmax(dim=-1), sampled)
+    token_ids = torch.where(st.is_greedy, scaled.argmax(dim=-1), sampled)
     return token_ids, _chosen_logprob(scaled, token_ids)
 
 

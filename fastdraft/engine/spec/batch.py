@@ -29,10 +29,6 @@ class DraftBatch:
     sources: torch.Tensor               # [B, N] int8 proposer id per node
 
     @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
     def width(self) -> int:
         """N: nodes per row including padding."""
         return self.tokens.shape[1]

@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from fastdraft.drafter.base import Drafter
 from fastdraft.engine.request import Request
-from fastdraft.engine.sampler import SamplingTensors, filter_top_k_top_p
+from fastdraft.engine.sampler import SamplingTensors
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
@@ -204,17 +204,10 @@ def _draft_dist(logits: torch.Tensor, sampling: SamplingTensors | None
     """[B, K, V] drafter logits -> (log q, q or None). Greedy rows rank children by the plain
     softmax (their trees are verified by argmax); sampling rows draw from q processed with the
     row's own temperature / top-k / top-p, and q is what verification divides by."""
-    logits = logits.float()
     if sampling is None:
-        return logits.log_softmax(-1), None
-    batch, num, vocab = logits.shape
-    scaled = logits / sampling.temperature.view(-1, 1, 1)  # greedy rows: temperature 1
-    if sampling.needs_filter:
-        filtered = filter_top_k_top_p(scaled.reshape(-1, vocab),
-                                      sampling.top_k.repeat_interleave(num),
-                                      sampling.top_p.repeat_interleave(num))
-        scaled = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled,
-                             filtered.view(batch, num, vocab))
+        return logits.float().log_softmax(-1), None
+    scaled, filtered = sampling.scale_and_filter(logits)   # greedy rows: temperature 1
+    scaled = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled, filtered)
     log_q = scaled.log_softmax(-1)   # filtered-out tokens: -inf, so q = 0 exactly
     q = log_q.exp()
     # A child is drawn only where q > 0, the q that verification divides by (no underflow gap).

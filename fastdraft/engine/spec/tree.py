@@ -54,10 +54,6 @@ class DraftTree:
             depth.append(1 if p == ROOT else depth[p] + 1)
         return depth
 
-    def depths(self) -> torch.Tensor:
-        """[N] long: 1 for children of the root."""
-        return torch.tensor(self.depth_list(), dtype=torch.long)
-
     def children(self) -> list[list[int]]:
         """children()[j] = node indices whose parent is j - 1 (index 0 = root), in try order."""
         out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]

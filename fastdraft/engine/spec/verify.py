@@ -1,7 +1,7 @@
 """Verification of one draft tree against the policy's logits: the step that makes SD lossless.
 
-Greedy: follow the child whose token is the policy's argmax, then append the argmax at the last
-accepted node, so the output equals plain greedy decoding token for token.
+Greedy: the longest path whose tokens are the policy's argmaxes, then the argmax at its last node,
+so the output equals plain greedy decoding token for token.
 
 Sampling: multi-draft recursive rejection sampling without replacement. At node u with target
 p (processed exactly like plain sampling) the children are tried in tree order:
@@ -55,24 +55,35 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
 def _walk_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """-> (accepted node ids, bonus token): the longest path whose tokens are the argmaxes."""
     best = target_logits.argmax(dim=-1).tolist()  # [N + 1]; ties -> first max, as plain greedy
-    children, tokens = tree.children(), tree.tokens.tolist()
-    path: list[int] = []
-    row = 0
-    while True:
-        nxt = next((c for c in children[row] if tokens[c] == best[row]), None)
-        if nxt is None:
-            return path, best[row]
-        path.append(nxt)
-        row = nxt + 1
+    path = argmax_path(tree.tokens.tolist(), tree.parents.tolist(), best)
+    return path, best[path[-1] + 1 if path else 0]
+
+
+def argmax_path(tokens: list[int], parents: list[int], best: list[int]) -> list[int]:
+    """Node ids, root to leaf, of the path whose every token is the argmax after its parent
+    (best[0]: after the root, best[i + 1]: after node i), taking the first matching sibling at
+    each node. Proposers draft distinct siblings, so that is the longest such path. Node indices
+    are topological and siblings are in order, so one pass finds it."""
+    on_path = [False] * len(tokens)
+    leaf, matched_parents = -1, set()
+    for i, (tok, p) in enumerate(zip(tokens, parents)):
+        if tok == best[p + 1] and (p < 0 or on_path[p]) and p not in matched_parents:
+            on_path[i] = True
+            matched_parents.add(p)
+            leaf = i  # the path only grows deeper, and children come after their parents
+    path = []
+    while leaf >= 0:
+        path.append(leaf)
+        leaf = parents[leaf]
+    return path[::-1]
 
 
 def verify_greedy_batch(drafts: DraftBatch, target_logits: torch.Tensor) -> list[Accepted]:
-    """Greedy verification of a whole batch (what `verify` does per tree): three tensor ops, then
-    a walk over plain lists, which beats a dozen more tensor ops at these tree sizes.
+    """Greedy verification of a whole batch (what `verify` does per tree): three tensor ops,
+    then `argmax_path` over plain lists per row.
 
     drafts: B trees padded to N nodes, target_logits [B, 1 + N, V] -> per row the longest path
-    whose tokens are the policy's argmaxes, then the argmax after it. Node indices are
-    topological, so one pass marks every node whose whole root path matches.
+    whose tokens are the policy's argmaxes, then the argmax after it.
     """
     logits = target_logits.float()
     best = logits.argmax(dim=-1)                                        # [B, 1 + N]
@@ -81,24 +92,11 @@ def verify_greedy_batch(drafts: DraftBatch, target_logits: torch.Tensor) -> list
     tokens_l, parents_l = drafts.tokens.tolist(), drafts.parents.tolist()
     out = []
     for b, n in enumerate(drafts.num_nodes):
-        best_b, tokens, parents = best_l[b], tokens_l[b], parents_l[b]
-        depth = [0] * n                      # > 0: the node and all its ancestors match
-        leaf, leaf_depth = -1, 0
-        for i in range(n):
-            p = parents[i]
-            if tokens[i] == best_b[p + 1] and (p < 0 or depth[p]):
-                depth[i] = 1 + (depth[p] if p >= 0 else 0)
-                if depth[i] > leaf_depth:
-                    leaf, leaf_depth = i, depth[i]
-        node_ids = []
-        while leaf >= 0:
-            node_ids.append(leaf)
-            leaf = parents[leaf]
-        node_ids.reverse()
+        node_ids = argmax_path(tokens_l[b][:n], parents_l[b][:n], best_l[b])
         # Row 0 is the root; node j's logits are row j + 1. A path node's token is the argmax
         # of the row before it, so tokens and logprobs all come from the argmax rows.
         rows = [0, *(j + 1 for j in node_ids)]
-        out.append(Accepted(node_ids, [best_b[r] for r in rows],
+        out.append(Accepted(node_ids, [best_l[b][r] for r in rows],
                             [logprob_l[b][r] for r in rows]))
     return out
 

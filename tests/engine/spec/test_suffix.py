@@ -314,7 +314,7 @@ def check_tree(tree: DraftTree, brute: BruteDrafter, max_nodes: int, max_depth: 
     assert tree.num_nodes == min(max_nodes, len(full))
     assert set(got) <= set(full)
     if tree.num_nodes:
-        assert int(tree.depths().max()) <= max_depth
+        assert max(tree.depth_list(), default=0) <= max_depth
         scores = [full[p] for p in got]
         assert all(a >= b - 1e-12 for a, b in itertools.pairwise(scores)), "not best-first"
         # nothing left out scores more than what was kept
