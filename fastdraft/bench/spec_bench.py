@@ -9,7 +9,7 @@ rollouts of the same prompts), then measure."""
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +67,10 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
                                 max_new_tokens=cfg.max_new_tokens)
         for bs in cfg.batch_sizes:
             chunks = [cfg.prompts[i: i + bs] for i in range(0, len(cfg.prompts), bs)]
-            if "suffix" in engines:  # earlier rollouts of the same prompts (the previous RL step)
-                for chunk in chunks:
-                    engines["suffix"].generate(chunk, params)
+            if "suffix" in engines:  # earlier rollouts of the same prompts (the previous RL
+                # step), from other seeds than the measured ones
+                _roll_out(engines["suffix"], chunks,
+                          replace(params, seed=params.seed + len(cfg.prompts)))
                 engines["suffix"].advance_step()
             results = {}
             for method, engine in engines.items():
@@ -105,11 +106,15 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
 
 def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: SamplingParams
               ) -> tuple[list, float]:
-    """All chunks one after another -> (completions, accept_length over all of them)."""
-    outs, stats = [], SpecStats()
+    """All chunks one after another -> (completions, accept_length over all of them). Request j
+    of a generate call samples from seed + j, so each chunk starts its seed at its first prompt's
+    index: prompt i always samples from seed i, whatever the batch size (with one seed for every
+    chunk, batch-1 rows would roll out every prompt with the same random stream)."""
+    outs, stats, start = [], SpecStats(), 0
     for chunk in chunks:
-        outs += engine.generate(chunk, params)
+        outs += engine.generate(chunk, replace(params, seed=params.seed + start))
         stats.merge(engine.last_stats)
+        start += len(chunk)
     return outs, stats.accept_length
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, ModelConfig
-from fastdraft.models.rope import RotaryEmbedding
+from fastdraft.models.rope import RopeTable, RotaryEmbedding
 
 
 class Drafter(nn.Module):
@@ -60,13 +60,17 @@ class Drafter(nn.Module):
         """[B, T, H] features of the policy's own tokens, the drafter's input at those tokens."""
         raise NotImplementedError
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-             kv: KVView | None = None, attn: AttnMeta | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor,
+             positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+             attn: AttnMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] (of token t), input_ids [B, T] (token t + 1), positions [B, T]
-        (of token t + 1) -> (features predicted for token t + 1 [B, T, H], logits [B, T, V] for
-        token t + 2)."""
+        (of token t + 1) or their RopeTable -> (features predicted for token t + 1 [B, T, H],
+        logits [B, T, V] for token t + 2)."""
         raise NotImplementedError
+
+    def rope_for(self, positions: torch.Tensor | RopeTable, dtype: torch.dtype) -> RopeTable:
+        """A draft tree looks up every level's rotation at once and passes the table in."""
+        return positions if isinstance(positions, RopeTable) else self.rope(positions, dtype)
 
 
 DRAFTERS: dict[str, type[Drafter]] = {}

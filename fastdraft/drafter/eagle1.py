@@ -9,6 +9,7 @@ from torch import nn
 from fastdraft.drafter.base import Drafter, register_drafter
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer
+from fastdraft.models.rope import RopeTable
 
 
 @register_drafter("eagle1")
@@ -23,9 +24,9 @@ class Eagle1Drafter(Drafter):
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:
         return hidden.final
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-             kv: KVView | None = None, attn: AttnMeta | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor,
+             positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+             attn: AttnMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], -1))
-        out = self.layers[0](x, self.rope(positions, x.dtype), kv, attn)
+        out = self.layers[0](x, self.rope_for(positions, x.dtype), kv, attn)
         return out, self.lm_head(out)

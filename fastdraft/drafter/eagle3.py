@@ -10,6 +10,7 @@ from torch import nn
 from fastdraft.drafter.base import Drafter, register_drafter
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
+from fastdraft.models.rope import RopeTable
 
 
 def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -38,14 +39,14 @@ class Eagle3Drafter(Drafter):
                              f"with aux_layers={self.aux_layers}")
         return self.fc(torch.cat(hidden.aux, -1).to(self.fc.weight.dtype))
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-             kv: KVView | None = None, attn: AttnMeta | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor,
+             positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+             attn: AttnMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.midlayer
         emb = layer.input_layernorm(self.embed(input_ids))
         x = torch.cat([emb, layer.hidden_norm(features)], -1)
         # The layer's own input norm is applied above (to the embedding half only).
-        rope = self.rope(positions, x.dtype)
+        rope = self.rope_for(positions, x.dtype)
         h = features + layer.self_attn(x, rope, kv, attn)
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return out, self.lm_head(self.norm(out))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, causal_cache_meta
+from fastdraft.models.attn_meta import KVViews
 from fastdraft.models.packing import pack_for_inference
 
 
@@ -28,15 +29,7 @@ class ModelRunner:
                                     cache_len, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.k_cache = list(self.kv_cache[:, 0].unbind(0))
         self.v_cache = list(self.kv_cache[:, 1].unbind(0))
-        self._last_slots: tuple[int, ...] = ()
-        self._last_kv: KVView | None = None
-
-    def _kv(self, slots: list[int]) -> KVView:
-        key = tuple(slots)
-        if key != self._last_slots:  # the decode batch is the same step after step
-            self._last_kv = KVView.for_slots(self.k_cache, self.v_cache, slots)
-            self._last_slots = key
-        return self._last_kv
+        self._kv = KVViews(self.k_cache, self.v_cache)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: list[int], aux_layers: tuple[int, ...] = ()
@@ -99,6 +92,5 @@ class ModelRunner:
         """Moves accepted tree nodes' K/V from their scratch cells to their final positions."""
         if not src:
             return
-        s = torch.tensor(slots, device=self.device)
-        src_t, dst_t = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        s, src_t, dst_t = torch.tensor([slots, src, dst], device=self.device)
         self.kv_cache[:, :, s, :, dst_t] = self.kv_cache[:, :, s, :, src_t]

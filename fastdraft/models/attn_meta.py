@@ -32,6 +32,23 @@ class KVView:
         return cls(k, v, torch.tensor(slots, device=k[0].device), start if is_range else None)
 
 
+class KVViews:
+    """KVView.for_slots with memory: the running batch is the same step after step, so the view
+    (and its slot-id tensor) is built once per batch composition, not once per forward."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v
+        self._slots: tuple[int, ...] = ()
+        self._view: KVView | None = None
+
+    def __call__(self, slots: list[int]) -> KVView:
+        key = tuple(slots)
+        if key != self._slots or self._view is None:
+            self._view = KVView.for_slots(self.k, self.v, slots)
+            self._slots = key
+        return self._view
+
+
 @dataclass(frozen=True, slots=True)
 class AttnMeta:
     """cache_positions: [B, T] long, where each new token's K/V is written in its slot (equals the

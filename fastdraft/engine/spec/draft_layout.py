@@ -30,6 +30,12 @@ class DraftLayout:
     cand_depth: torch.Tensor            # [G] long, 1 for the root's children
     cand_parent_scratch: torch.Tensor   # [G] long, scratch id of the parent (ROOT: level 1)
     scratch_level_start: torch.Tensor   # [S] long, global index of its level's first candidate
+    # Constants the proposer would otherwise rebuild every step (one op each, but per step):
+    scratch_eye: torch.Tensor           # [S, S] bool identity (each node attends to itself)
+    scratch_cells: torch.Tensor         # [D - 1, k] long, scratch id of each level's nodes
+    level_offsets: torch.Tensor         # [D - 1] long, 1 .. D - 1: expanded level l's depth
+    first_order: torch.Tensor           # [1, k] long, 0 .. k - 1: level 1 expands every child
+    zero_key: torch.Tensor              # [1, 1] float, the root's key
 
     @classmethod
     def build(cls, depth: int, k: int, device: torch.device | str = "cpu") -> DraftLayout:
@@ -40,8 +46,14 @@ class DraftLayout:
             (lvl - 1) * k + torch.arange(k * k) // k for lvl in range(1, depth)]
         scratch_level_start = torch.tensor([starts[s // k] for s in range((depth - 1) * k)],
                                            dtype=torch.long)
+        num_scratch = (depth - 1) * k
         return cls(depth, k, tuple(starts), cand_depth.to(device), torch.cat(parent).to(device),
-                   scratch_level_start.to(device))
+                   scratch_level_start.to(device),
+                   scratch_eye=torch.eye(num_scratch, dtype=torch.bool, device=device),
+                   scratch_cells=torch.arange(num_scratch, device=device).view(-1, k),
+                   level_offsets=torch.arange(1, depth, device=device),
+                   first_order=torch.arange(k, device=device).unsqueeze(0),
+                   zero_key=torch.zeros(1, 1, device=device))
 
     @property
     def num_candidates(self) -> int:

@@ -26,8 +26,10 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.probs import conditioned_gumbel_topk
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
-from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates
+from fastdraft.models.attn_meta import KVViews
 from fastdraft.models.packing import pack_for_inference
+from fastdraft.models.rope import RopeTable
 
 
 class EagleProposer(Proposer):
@@ -54,7 +56,12 @@ class EagleProposer(Proposer):
                                      device=self.device)
         self.root_logits = torch.zeros(num_slots, cfg.vocab_size, device=self.device)
         self.root_pos = [0] * num_slots
+        self._kv = KVViews(self.k, self.v)
         self._layouts: dict[tuple[int, int], DraftLayout] = {}
+        # Column indices for the committed-pairs mask; column 0 never holds a pair, so it gets
+        # an index no root position reaches.
+        self._cols = torch.arange(self.cache_len, device=self.device)
+        self._cols[0] = self.cache_len
 
     @property
     def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -70,19 +77,17 @@ class EagleProposer(Proposer):
         width, dev = max(lens), self.device
         final = _pad([c.final for c in committed])
         aux = tuple(_pad(list(layer)) for layer in zip(*(c.aux for c in committed)))
-        ids = torch.tensor([c.token_ids + [0] * (width - len(c.token_ids)) for c in committed],
-                           device=dev)
         # Padding rows write junk past the request's end, where nothing reads it.
         top = self.cache_len - 1
-        pos = torch.tensor([[min(p, top) for p in range(c.start_pos, c.start_pos + width)]
-                            for c in committed], device=dev)
+        ids, pos = torch.tensor(
+            [[c.token_ids + [0] * (width - len(c.token_ids)) for c in committed],
+             [[min(p, top) for p in range(c.start_pos, c.start_pos + width)] for c in committed]],
+            device=dev)
         feats = self.drafter.target_features(HiddenStates(final.to(self.dtype), aux))
-        cols = torch.arange(min(max(c.start_pos for c in committed) + width, self.cache_len),
-                            device=dev)
-        mask = (cols >= 1) & (cols <= pos.unsqueeze(-1))  # position 0 never holds a pair
+        ctx_len = min(max(c.start_pos for c in committed) + width, self.cache_len)
+        mask = self._cols[:ctx_len] <= pos.unsqueeze(-1)
         slot_list = [c.request.slot for c in committed]
-        out, logits = self.draft_step(feats, ids, pos,
-                                      KVView.for_slots(self.k, self.v, slot_list),
+        out, logits = self.draft_step(feats, ids, pos, self._kv(slot_list),
                                       AttnMeta(mask, cache_positions=pos))
         rows, last, slots = torch.tensor([list(range(len(committed))), [n - 1 for n in lens],
                                           slot_list], device=dev)
@@ -100,46 +105,48 @@ class EagleProposer(Proposer):
         layout = self._layout(cfg.depth, k)
         dev, hidden = self.device, self.root_feat.shape[1]
         slot_list = [r.slot for r in requests]
-        slots = torch.tensor(slot_list, device=dev)
         root_pos_list = [self.root_pos[s] for s in slot_list]
-        root_pos = torch.tensor(root_pos_list, device=dev).unsqueeze(1)                # [B, 1]
+        slots, root_pos = torch.tensor([slot_list, root_pos_list], device=dev)
+        root_pos = root_pos.unsqueeze(1)                                              # [B, 1]
         sampling = _sampling_rows(requests, vocab, dev)
-        kv = KVView.for_slots(self.k, self.v, slot_list)
+        kv = self._kv(slot_list)
         # Expanded node s keeps its K/V in cell start + s, past every row's committed pairs.
         # mask[:, s] is what node s attends to: its row's committed pairs, then its scratch
         # ancestors-or-self (the columns past start, filled in as the levels expand).
         start, num_scratch = max(root_pos_list) + 1, layout.num_scratch
-        mask = torch.zeros(batch, num_scratch, start + num_scratch, dtype=torch.bool, device=dev)
-        cols = torch.arange(start, device=dev)
-        mask[:, :, :start] = ((cols >= 1) & (cols <= root_pos)).unsqueeze(1)
+        mask = torch.empty(batch, num_scratch, start + num_scratch, dtype=torch.bool, device=dev)
+        mask[:, :, :start] = (self._cols[:start] <= root_pos).unsqueeze(1)
         scratch_anc = mask[:, :, start:]                                              # [B, S, S]
-        scratch_anc.copy_(torch.eye(num_scratch, dtype=torch.bool, device=dev))   # self
-        scratch_feat = torch.empty(batch, num_scratch, hidden, dtype=self.dtype, device=dev)
-        cells = (start + torch.arange(num_scratch, device=dev)).view(-1, k)          # [D-1, k]
-        positions = root_pos + torch.arange(1, cfg.depth, device=dev)                 # [B, D-1]
+        scratch_anc.copy_(layout.scratch_eye)                                            # self
+        cells = start + layout.scratch_cells                                          # [D-1, k]
+        # Level l's nodes sit at root_pos + l: one rotary lookup serves every level.
+        if cfg.depth > 1:
+            rope = self.drafter.rope(root_pos + layout.level_offsets, self.dtype)  # [B, D-1, 1, hd]
 
         log_q, q = _draft_dist(self.root_logits[slots].unsqueeze(1), sampling)      # [B, 1, V]
-        tok, key = _children(log_q, torch.zeros(batch, 1, device=dev), k, requests, sampling)
+        tok, key = _children(log_q, layout.zero_key.expand(batch, -1), k, requests, sampling)
         tokens, keys, q_rows = [tok.flatten(1)], [key.flatten(1)], [q]
         orders = []  # per expanded level: which of its candidates were expanded [B, k]
+        out = self.root_feat[slots].unsqueeze(1)                     # the root's features
         for level in range(1, cfg.depth):
             new = slice((level - 1) * k, level * k)
             if level == 1:  # the root's children, already in key order
-                f_key, f_tok = keys[0], tokens[0]
-                feat = self.root_feat[slots].unsqueeze(1).expand(-1, k, -1)
-                orders.append(torch.arange(k, device=dev).expand(batch, -1))
+                f_key, f_tok, order = keys[0], tokens[0], layout.first_order.expand(batch, -1)
+                feat = out.expand(-1, k, -1)
             else:
                 f_key, order = keys[-1].topk(k, dim=1)                                # [B, k]
                 f_tok = tokens[-1].gather(1, order)
-                parent = (level - 2) * k + order // k                                 # scratch
-                feat = scratch_feat.gather(1, parent.unsqueeze(-1).expand(-1, -1, hidden))
-                scratch_anc[:, new] |= scratch_anc.gather(
-                    1, parent.unsqueeze(-1).expand(-1, -1, num_scratch))
-                orders.append(order)
+                # Every parent was expanded at the level before: its features are in `out`.
+                parent = (order // k).unsqueeze(-1)                                # [B, k, 1]
+                feat = out.gather(1, parent.expand(-1, -1, hidden))
+                prev = slice((level - 2) * k, (level - 1) * k)
+                scratch_anc[:, new] |= scratch_anc[:, prev].gather(
+                    1, parent.expand(-1, -1, num_scratch))
+            orders.append(order)
             out, logits = self.draft_step(
-                feat, f_tok, positions[:, level - 1: level].expand(-1, k), kv,
+                feat, f_tok, RopeTable(rope.cos[:, level - 1: level],
+                                       rope.sin[:, level - 1: level]), kv,
                 AttnMeta(mask[:, new], cache_positions=cells[level - 1].expand(batch, -1)))
-            scratch_feat[:, new] = out
             log_q, q = _draft_dist(logits, sampling)                                # [B, k, V]
             tok, key = _children(log_q, f_key, k, requests, sampling)              # [B, k, k]
             tokens.append(tok.flatten(1))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.engine.sampler import sample_greedy
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.probs import policy_logprobs, processed_probs
@@ -85,10 +86,10 @@ def verify_greedy_batch(drafts: DraftBatch, target_logits: torch.Tensor) -> list
     drafts: B trees padded to N nodes, target_logits [B, 1 + N, V] -> per row the longest path
     whose tokens are the policy's argmaxes, then the argmax after it.
     """
-    logits = target_logits.float()
-    best = logits.argmax(dim=-1)                                        # [B, 1 + N]
-    best_logprob = logits.log_softmax(dim=-1).gather(-1, best.unsqueeze(-1)).squeeze(-1)
-    best_l, logprob_l = best.tolist(), best_logprob.tolist()
+    # Plain greedy's own pick and logprob, row by row: ties and rounding match it exactly.
+    best, best_logprob = sample_greedy(target_logits.flatten(0, 1))        # [B * (1 + N)]
+    best_l = best.view(target_logits.shape[:2]).tolist()
+    logprob_l = best_logprob.view(target_logits.shape[:2]).tolist()
     tokens_l, parents_l = drafts.tokens.tolist(), drafts.parents.tolist()
     out = []
     for b, n in enumerate(drafts.num_nodes):
