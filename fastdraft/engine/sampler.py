@@ -40,7 +40,6 @@ class SamplingTensors:
             all_greedy=all(greedy),
         )
 
-
     def scale_and_filter(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, ..., V] (row b with row b's settings) -> (logits / T, the same with each
         row's top-k / top-p filter applied). Plain sampling and sampled drafting both use it, so
