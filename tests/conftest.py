@@ -30,3 +30,18 @@ def tiny_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     hf = make_tiny_checkpoint(path)
     return path, hf
+
+
+@pytest.fixture(scope="session")
+def random_drafter(tiny_checkpoint, tmp_path_factory):
+    """An untrained EAGLE-1 drafter for the tiny checkpoint: poor drafts exercise every
+    reject path, and losslessness must hold regardless."""
+    from fastdraft.drafter import build_drafter, save_drafter
+    from fastdraft.models import load_model
+    path, _ = tiny_checkpoint
+    policy = load_model(path)
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle1", policy.config, 256).attach(policy)
+    out = tmp_path_factory.mktemp("drafter")
+    save_drafter(drafter, out)
+    return out

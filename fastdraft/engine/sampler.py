@@ -24,6 +24,7 @@ class SamplingTensors:
     is_greedy: torch.Tensor
     needs_filter: bool
     all_greedy: bool
+    any_greedy: bool
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab_size: int,
@@ -38,6 +39,7 @@ class SamplingTensors:
             is_greedy=torch.tensor(greedy, device=device),
             needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params),
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
         )
 
     def scale_and_filter(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

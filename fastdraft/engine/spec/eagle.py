@@ -214,11 +214,12 @@ def _draft_dist(logits: torch.Tensor, sampling: SamplingTensors | None
     if sampling is None:
         return logits.float().log_softmax(-1), None
     scaled, filtered = sampling.scale_and_filter(logits)   # greedy rows: temperature 1
-    scaled = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled, filtered)
-    log_q = scaled.log_softmax(-1)   # filtered-out tokens: -inf, so q = 0 exactly
-    q = log_q.exp()
-    # A child is drawn only where q > 0, the q that verification divides by (no underflow gap).
-    return log_q.masked_fill(q == 0, float("-inf")), q
+    if sampling.needs_filter:  # greedy rows rank children by their unfiltered q
+        filtered = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled, filtered)
+    q = filtered.softmax(-1)   # filtered-out tokens: -inf, so q = 0 exactly
+    # log of the very q that verification divides by: q = 0 (filtered or underflowed) gives
+    # -inf, so such a child is never drawn.
+    return q.log(), q
 
 
 def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request],
@@ -237,7 +238,7 @@ def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: l
     for b, gen in enumerate(generators):
         if gen is not None:
             noise[b].exponential_(generator=gen)
-    if not any(r.params.is_greedy for r in requests):
+    if not sampling.any_greedy:
         tokens, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
     else:
         greedy = (parent_key.unsqueeze(-1) + log_q).topk(k, dim=-1)

@@ -3,20 +3,26 @@ committed tokens, and every finished rollout as a source for later rollouts of t
 
 from __future__ import annotations
 
+import torch
+
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
 from fastdraft.engine.spec.suffix import SuffixConfig, SuffixDrafter
 from fastdraft.engine.spec.tree import DraftTree
+from fastdraft.models import CausalLM
 
 
 @register_proposer("suffix")
 class SuffixProposer(Proposer):
     source_id = 1
 
-    def __init__(self, *, suffix: SuffixConfig | None = None, **_: object) -> None:
+    def __init__(self, *, model: CausalLM | None = None, suffix: SuffixConfig | None = None,
+                 **_: object) -> None:
         self.drafter = SuffixDrafter(suffix or SuffixConfig())
+        # Trees are built on the host (plain Python) and handed over on the policy's device.
+        self.device = next(model.parameters()).device if model is not None else torch.device("cpu")
         self._started: set[int] = set()
         self.step = 0
 
@@ -40,7 +46,7 @@ class SuffixProposer(Proposer):
         return DraftBatch.from_trees(
             [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
              if self._key(r) in self._started else DraftTree.empty() for r in requests],
-            source_id=self.source_id)
+            device=self.device, source_id=self.source_id)
 
     def on_finish(self, request: Request) -> None:
         key = self._key(request)

@@ -32,10 +32,10 @@ class DraftTree:
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         assert self.parents.shape == (n,), "parents must be [N]"
-        if n:
-            idx = torch.arange(n)
-            assert bool(((self.parents >= ROOT) & (self.parents < idx)).all()), \
-                "a node's parent must be the root or an earlier node"
+        # Checked over a plain list: trees are small, verification reads the list anyway, and a
+        # tensor check would need a device-matched index on every step.
+        assert all(ROOT <= p < i for i, p in enumerate(self.parents.tolist())), \
+            "a node's parent must be the root or an earlier node"
         if self.parent_probs is not None:
             assert self.parent_probs.shape[0] == n + 1, "parent_probs must be [N + 1, V]"
 

@@ -76,17 +76,6 @@ def test_greedy_with_oracle_trees_equals_plain_greedy(tiny_checkpoint, depth, to
         assert stats.accept_length > 1.5
 
 
-@pytest.fixture(scope="module")
-def random_drafter(tiny_checkpoint, tmp_path_factory):
-    path, _ = tiny_checkpoint
-    policy = load_model(path)
-    torch.manual_seed(0)
-    drafter = build_drafter("eagle1", policy.config, 256).attach(policy)
-    out = tmp_path_factory.mktemp("drafter")
-    save_drafter(drafter, out)
-    return out
-
-
 @pytest.mark.parametrize("depth, topk, ttv", [(1, 1, 1), (3, 1, 3), (4, 2, 8), (5, 8, 64)])
 def test_greedy_eagle_equals_plain_greedy(tiny_checkpoint, random_drafter, depth, topk, ttv):
     path, _ = tiny_checkpoint

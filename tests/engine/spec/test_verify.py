@@ -383,3 +383,14 @@ def test_conditioned_gumbel_first_child_is_distributed_as_q() -> None:
                                    torch.Generator().manual_seed(2))
     counts = Counter((int(t),) for t in keys.argmax(-1))
     assert chi_square_pvalue(counts, {(0,): 0.5, (1,): 0.2, (2,): 0.2, (3,): 0.1}) > 0.01
+
+
+@pytest.mark.parametrize("parents", [[0], [ROOT, 1], [ROOT, -2], [ROOT, 0, 3]])
+def test_a_tree_whose_parent_is_not_an_earlier_node_is_refused(parents):
+    with pytest.raises(AssertionError, match="earlier node"):
+        DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents), None, None)
+
+
+def test_a_tree_with_valid_parents_is_accepted():
+    tree = DraftTree(torch.zeros(4, dtype=torch.long), torch.tensor([ROOT, 0, ROOT, 1]), None, None)
+    assert tree.depth_list() == [1, 2, 1, 3]
