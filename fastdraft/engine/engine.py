@@ -25,7 +25,7 @@ from fastdraft.engine.spec.proposer import Committed, Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.spec.tree import Accepted
-from fastdraft.engine.spec.verify import verify, verify_greedy_batch
+from fastdraft.engine.spec.verify import verify_batch, verify_greedy_batch
 from fastdraft.models import CausalLM, load_model, load_named_tensors
 
 OnFinish = Callable[[Completion], None]
@@ -203,8 +203,8 @@ class RolloutEngine:
                 ) -> list[Accepted]:
         if all(r.params.is_greedy for r in requests):
             return verify_greedy_batch(drafts, logits)
-        return [verify(drafts.tree(b), logits[b, : 1 + drafts.num_nodes[b]], r.params,
-                       r.generator) for b, r in enumerate(requests)]
+        return verify_batch(drafts, logits, [r.params for r in requests],
+                            [r.generator for r in requests])
 
     @staticmethod
     def _record_stats(requests: list[Request], drafts: DraftBatch,

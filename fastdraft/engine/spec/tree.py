@@ -56,10 +56,7 @@ class DraftTree:
 
     def children(self) -> list[list[int]]:
         """children()[j] = node indices whose parent is j - 1 (index 0 = root), in try order."""
-        out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
-        for i, p in enumerate(self.parents.tolist()):
-            out[p + 1].append(i)
-        return out
+        return children_lists(self.parents.tolist())
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] = node j is node i or one of its ancestors (tree attention)."""
@@ -70,6 +67,15 @@ class DraftTree:
             row[i] = True
             rows.append(row)
         return torch.tensor(rows, dtype=torch.bool).view(n, n)
+
+
+def children_lists(parents: list[int]) -> list[list[int]]:
+    """Parent of each node -> out[j] = node indices whose parent is j - 1 (index 0 = root), in
+    index order (the order verification tries siblings in)."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

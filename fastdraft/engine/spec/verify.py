@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from fastdraft.engine.sampler import sample_greedy
+from fastdraft.engine.sampler import SamplingTensors, sample_greedy
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.probs import policy_logprobs, processed_probs
-from fastdraft.engine.spec.tree import Accepted, DraftTree
+from fastdraft.engine.spec.tree import Accepted, DraftTree, children_lists
 
 # A residual whose mass is below this is rounding noise of p ~= q (rejection then had
 # probability ~0); dividing by it would amplify noise into a distribution, so keep p instead.
@@ -115,14 +115,25 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
             raise ValueError("a tree with sampled children needs parent_probs")
         q_all = tree.parent_probs.to(device=probs.device, dtype=probs.dtype)
     uniforms = _uniforms(n, generator)                             # one per node, drawn up front
-    children, tokens = tree.children(), tree.tokens.tolist()
     # p(x) and q(x) of every node's token under its parent's *untouched* rows: the first child
     # tried at a node needs nothing else, so the common accept-first-child path stays scalar.
     idx_rows = tree.parents.to(probs.device) + 1
     idx_tok = tree.tokens.to(probs.device)
     p_first = probs[idx_rows, idx_tok].tolist() if n else []
     q_first = q_all[idx_rows, idx_tok].tolist() if (n and q_all is not None) else [0.0] * n
+    path, row, residual = _rejection_walk(tree.children(), tree.tokens.tolist(), sampled,
+                                          p_first, q_first, uniforms, probs, q_all)
+    return path, _sample_token(probs[row] if residual is None else residual, generator)
 
+
+def _rejection_walk(children: list[list[int]], tokens: list[int], sampled: list[bool],
+                    p_first: list[float], q_first: list[float], uniforms: list[float],
+                    probs: torch.Tensor, q_all: torch.Tensor | None
+                    ) -> tuple[list[int], int, torch.Tensor | None]:
+    """One tree's walk from the root: at each node try its children in order until one is
+    accepted (module doc). probs, q_all [N + 1, V]: p and q rows; p_first, q_first: p(x), q(x)
+    of each node's token under its parent's untouched rows. -> (accepted node ids, the row the
+    bonus token comes from, its residual p, or None when that row is untouched)."""
     path: list[int] = []
     row = 0
     while True:
@@ -133,6 +144,7 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
             x = tokens[c]
             px = p_first[c] if p is None else float(p[x])
             if sampled[row]:
+                assert q_all is not None
                 qx = q_first[c] if q is None else float(q[x])
                 if qx <= 0.0:
                     # Could not have been drawn from q (or is a repeat of a rejected sibling):
@@ -151,9 +163,69 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
                     break
                 p = _reject_chosen(probs[row] if p is None else p, x)
         if accepted is None:
-            return path, _sample_token(probs[row] if p is None else p, generator)
+            return path, row, p
         path.append(accepted)
         row = accepted + 1
+
+
+def verify_batch(drafts: DraftBatch, target_logits: torch.Tensor,
+                 params: list[SamplingParams], generators: list[torch.Generator | None]
+                 ) -> list[Accepted]:
+    """`verify` for every row of a batch, any mix of greedy and sampling requests, with the same
+    result token for token: the tensor work (p, logprobs, p(x) and q(x) of every node) runs once
+    for the batch, then each row walks its tree over plain lists. Row b draws from generators[b]
+    (or the global RNG) exactly what `verify` would draw, in the same order.
+
+    drafts: B trees padded to N nodes, target_logits [B, 1 + N, V] -> one Accepted per row.
+    """
+    batch, vocab = target_logits.shape[0], target_logits.shape[-1]
+    dev = target_logits.device
+    st = SamplingTensors.build(params, vocab, dev)
+    scaled, filtered = st.scale_and_filter(target_logits)            # [B, 1 + N, V]
+    logprobs = scaled.log_softmax(-1)                  # the policy's own (greedy rows: T = 1)
+    probs = filtered.softmax(-1)                       # what plain sampling draws from
+    best = scaled.argmax(-1).tolist() if st.any_greedy else None
+    q_all = drafts.parent_probs
+    if q_all is not None:
+        q_all = q_all.to(device=dev, dtype=probs.dtype)
+    tokens_l, parents_l = drafts.tokens.tolist(), drafts.parents.tolist()
+    sampled_l = None if drafts.is_sampled is None else drafts.is_sampled.tolist()
+    # p(x) and q(x) of every node's token under its parent's untouched row, for all rows at once.
+    rows = torch.arange(batch, device=dev).unsqueeze(1)
+    parent_rows = drafts.parents.to(dev) + 1
+    node_tokens = drafts.tokens.to(dev)
+    p_first = probs[rows, parent_rows, node_tokens].tolist()
+    q_first = None if q_all is None else q_all[rows, parent_rows, node_tokens].tolist()
+    paths, token_ids = [], []
+    for b, (sp, generator) in enumerate(zip(params, generators)):
+        n = drafts.num_nodes[b]
+        tokens, parents = tokens_l[b][:n], parents_l[b][:n]
+        if sp.is_greedy:
+            assert best is not None
+            path = argmax_path(tokens, parents, best[b])
+            bonus = best[b][path[-1] + 1 if path else 0]
+        else:
+            sampled = ([False] * (n + 1) if sampled_l is None
+                       else [bool(x) for x in sampled_l[b][: n + 1]])
+            if any(sampled) and q_all is None:
+                raise ValueError("a tree with sampled children needs parent_probs")
+            uniforms = _uniforms(n, generator)
+            path, row, residual = _rejection_walk(
+                children_lists(parents), tokens, sampled, p_first[b][:n],
+                q_first[b][:n] if q_first is not None else [0.0] * n, uniforms, probs[b],
+                None if q_all is None else q_all[b])
+            bonus = _sample_token(probs[b, row] if residual is None else residual, generator)
+        paths.append(path)
+        token_ids.append([tokens[i] for i in path] + [bonus])
+    # Every appended token's logprob in one gather: row 0 is the root, node i's row is i + 1.
+    index = [(b, r, t) for b, (path, toks) in enumerate(zip(paths, token_ids))
+             for r, t in zip([0, *(i + 1 for i in path)], toks)]
+    gathered = logprobs[tuple(torch.tensor(index, device=dev).T)].tolist()
+    out, start = [], 0
+    for path, toks in zip(paths, token_ids):
+        out.append(Accepted(path, toks, gathered[start: start + len(toks)]))
+        start += len(toks)
+    return out
 
 
 def _accepts_sampled(u: float, px: float, qx: float) -> bool:

@@ -1,5 +1,6 @@
 """The batched draft-tree path against slow per-tree references: padding round trips, the static
-EAGLE-2 candidate layout, the vectorised best-first pick, and batched greedy verification."""
+EAGLE-2 candidate layout, the vectorised best-first pick, and batched greedy and sampled
+verification."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.tree import ROOT, DraftTree
-from fastdraft.engine.spec.verify import verify, verify_greedy_batch
+from fastdraft.engine.spec.verify import verify, verify_batch, verify_greedy_batch
 
 GREEDY = SamplingParams(greedy=True)
 
@@ -157,3 +158,47 @@ def test_batched_greedy_verify_equals_per_tree_verify(seed) -> None:
         assert got[b].node_ids == want.node_ids
         assert got[b].token_ids == want.token_ids
         torch.testing.assert_close(torch.tensor(got[b].logprobs), torch.tensor(want.logprobs))
+
+
+ROW_PARAMS = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.8),
+              SamplingParams(temperature=1.3, top_k=3)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_verify_equals_per_tree_verify_token_for_token(seed) -> None:
+    """Any mix of greedy and sampling rows, sampled and chosen children, seeded and unseeded
+    rows: the batch gives each row exactly what `verify` gives it, from the same random draws."""
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 10])
+    num_rows = rng.randint(1, 5)
+    gen = torch.Generator().manual_seed(seed)
+    trees = []
+    for _ in range(num_rows):
+        shape = random_tree(rng, rng.randint(0, 10), vocab)
+        n = shape.num_nodes
+        q = torch.randn(n + 1, vocab, generator=gen).softmax(-1)
+        q[torch.rand(n + 1, vocab, generator=gen) < 0.15] = 0.0  # some zero-probability drafts
+        q = q / q.sum(-1, keepdim=True).clamp_min(1e-9)
+        trees.append(DraftTree(shape.tokens, shape.parents, q,
+                               torch.rand(n + 1, generator=gen) < 0.6))
+    batch = DraftBatch.from_trees(trees)
+    logits = torch.randn(num_rows, 1 + batch.width, vocab, generator=gen) * 2
+    for b, tree in enumerate(trees):  # make some drafts likely, so long accepts happen
+        for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+            if rng.random() < 0.5:
+                logits[b, parent + 1, tok] += 4.0
+    params = [rng.choice(ROW_PARAMS) for _ in range(num_rows)]
+    seeds = [rng.choice([None, rng.randrange(1000)]) for _ in range(num_rows)]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+    torch.manual_seed(seed)  # the unseeded rows draw from the global RNG, in row order
+    want = [verify(tree, logits[b, : 1 + tree.num_nodes], params[b], g)
+            for b, (tree, g) in enumerate(zip(trees, generators()))]
+    torch.manual_seed(seed)
+    got = verify_batch(batch, logits, params, generators())
+    for g, w in zip(got, want):
+        assert g.node_ids == w.node_ids
+        assert g.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs))
