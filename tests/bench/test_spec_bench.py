@@ -24,3 +24,27 @@ def test_roll_out_gives_every_prompt_its_own_seed_at_any_batch_size() -> None:
         # generate() seeds request j of a call with seed + j: prompt i gets 100 + i.
         seeds = [seed + j for chunk, seed in engine.calls for j in range(len(chunk))]
         assert seeds == [100 + i for i in range(6)]
+
+
+def test_spec_bench_runs_every_method_and_reports_unit_costs(tiny_checkpoint, random_drafter,
+                                                             tmp_path):
+    from fastdraft.bench.spec_bench import SpecBenchConfig, run_spec_bench
+
+    path, _ = tiny_checkpoint
+    prompts = [[3 + (7 * i + j) % 50 for j in range(2 + i)] for i in range(3)]
+    cfg = SpecBenchConfig(model_dir=path, drafter_dir=random_drafter, prompts=prompts,
+                          batch_sizes=(1, 2), depth=3, topk=2, tokens_to_verify=5,
+                          max_new_tokens=8, repeats=1)
+    payload = run_spec_bench(cfg, tmp_path / "spec.json")
+    rows = payload["rows"]
+    assert {(r["method"], r["batch_size"], r["temperature"]) for r in rows} == {
+        (m, b, t) for m in ("none", "eagle", "suffix") for b in (1, 2) for t in (0.0, 1.0)}
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_none"] > 0
+        # Lossless: every speculative greedy row reproduces plain greedy decoding.
+        assert row["outputs_match"] is (True if row["temperature"] == 0.0 else None)
+    costs = payload["unit_costs"]
+    assert set(costs) == {"decode_step_ms", "verify_pass_ms", "draft_step_ms", "draft_tree_ms",
+                          "verify_over_decode", "draft_over_decode", "draft_tree_over_decode"}
+    assert all(v > 0 for v in costs.values())
+    assert (tmp_path / "spec.json").is_file()
