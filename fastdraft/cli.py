@@ -143,7 +143,7 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-rollouts", type=int, default=None, help="default: 2048")
     p.add_argument("--steps", type=int, default=None, help="default: 4000")
     p.add_argument("--ttt-steps", type=int, default=None,
-                   help="unrolled training steps (default: eagle1 1, eagle3 3)")
+                   help="unrolled training steps (default: eagle1 2, eagle3 3)")
     p.add_argument("--all-tokens", action="store_true",
                    help="also score prompt positions (default: answer tokens only)")
     p.add_argument("--seed", type=int, default=0)

@@ -31,8 +31,14 @@ def test_ensure_drafter_reuses_a_current_one_and_retrains_a_stale_one(tmp_path, 
     assert demo.ensure_drafter(policy, None) == out
     assert len(calls) == 1 and calls[0][1] == WarmupConfig(kind="eagle1")
 
+    # A drafter saved when the unrolled-steps default was left unresolved (None) is stale too.
+    unresolved = asdict(WarmupConfig(kind="eagle1")) | {"ttt_steps": None}
+    (out / "drafter_config.json").write_text(json.dumps({"kind": "eagle1", "warmup": unresolved}))
+    demo.ensure_drafter(policy, None)
+    assert len(calls) == 2
+
     explicit = tmp_path / "mine"
-    assert demo.ensure_drafter(policy, explicit) == explicit and len(calls) == 1
+    assert demo.ensure_drafter(policy, explicit) == explicit and len(calls) == 2
 
 
 def test_ensure_drafter_warms_up_a_missing_one(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 
 from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.drafter.checkpoint import save_drafter
-from fastdraft.drafter.losses import drafter_loss
+from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, drafter_loss
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.models import CausalLM, load_model
 from fastdraft.utils.schedule import warmup_cosine_lr
@@ -34,7 +34,7 @@ class WarmupConfig:
     warmup_steps: int = 50
     seed: int = 0
     # Unrolled training steps (the drafter fed its own features, as deeper draft levels are);
-    # None = the kind's default (EAGLE-1: 1, EAGLE-3: 3).
+    # None = the kind's default (losses.DEFAULT_NUM_STEPS: EAGLE-1 2, EAGLE-3 3).
     ttt_steps: int | None = None
     # Score only pairs that draft answer tokens: prompt positions are never drafted in a rollout.
     response_only: bool = True
@@ -47,6 +47,13 @@ class WarmupConfig:
             raise ValueError("lr must be > 0 and warmup_steps in [0, steps)")
         if self.ttt_steps is not None and self.ttt_steps < 1:
             raise ValueError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
+        if self.kind not in DEFAULT_NUM_STEPS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; choose one of "
+                             f"{sorted(DEFAULT_NUM_STEPS)}")
+        if self.ttt_steps is None:
+            # Recorded as a number, so a saved drafter says what it was trained with and a
+            # changed default makes `ensure_drafter` retrain a cached one.
+            object.__setattr__(self, "ttt_steps", DEFAULT_NUM_STEPS[self.kind])
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastdraft.drafter import build_drafter, load_drafter, save_drafter
-from fastdraft.drafter.losses import drafter_loss, eagle1_loss, ttt_mask
+from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, drafter_loss, eagle1_loss, ttt_mask
 from fastdraft.drafter.warmup import WarmupConfig, _batches, first_drafted_pair, train_drafter
 from fastdraft.engine.request import Request
 from fastdraft.engine.sampling_params import SamplingParams
@@ -38,7 +38,8 @@ def test_eagle1_pairs_token_t_plus_1_with_hidden_t(policy):
         return features, torch.zeros(*input_ids.shape, 64)
 
     drafter.step = spy
-    eagle1_loss(drafter, ids, hidden, torch.ones(2, 7, dtype=torch.bool), policy.lm_head)
+    eagle1_loss(drafter, ids, hidden, torch.ones(2, 7, dtype=torch.bool), policy.lm_head,
+                num_steps=1)
     torch.testing.assert_close(seen["features"], hidden.final[:, :-1])
     assert torch.equal(seen["input_ids"], ids[:, 1:])
     assert torch.equal(seen["positions"][0], torch.arange(1, 7))
@@ -118,7 +119,7 @@ def test_unrolled_eagle1_scores_every_step_and_step0_is_classic_eagle1(policy):
     valid = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
         _, hidden = policy(ids, torch.arange(9).expand(2, -1))
-        one, m1 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head)
+        one, m1 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head, num_steps=1)
         three, m3 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head, num_steps=3)
     assert {"regression_0", "soft_ce_0", "top1_acc_0"} <= m1.keys()
     assert {"regression_2", "soft_ce_2", "top1_acc_2"} <= m3.keys()
@@ -137,3 +138,11 @@ def test_response_only_batches_score_from_the_first_drafted_pair():
     assert rows[(1, 2, 3, 4, 0, 0)] == [False, True, True, True, False, False]
     with pytest.raises(ValueError, match="ttt_steps"):
         WarmupConfig(ttt_steps=0)
+
+
+def test_warmup_config_records_the_kinds_unrolled_steps():
+    assert WarmupConfig(kind="eagle1").ttt_steps == DEFAULT_NUM_STEPS["eagle1"] == 2
+    assert WarmupConfig(kind="eagle3").ttt_steps == DEFAULT_NUM_STEPS["eagle3"] == 3
+    assert WarmupConfig(kind="eagle1", ttt_steps=1).ttt_steps == 1
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        WarmupConfig(kind="medusa")
