@@ -182,9 +182,10 @@ class RolloutEngine:
                 src.append(start + node)
                 dst.append(p + 1 + j)
         self.runner.compact(slots, src, dst)
-        self._record_stats(requests, drafts, accepted)
+        num_before = [len(r.output_token_ids) for r in requests]
         finished = scheduler.postprocess(batch, [a.token_ids for a in accepted],
                                          [a.logprobs for a in accepted])
+        self._record_stats(requests, drafts, accepted, num_before)
         done = {id(r) for r in finished}
         committed = []
         for b, (r, p, acc) in enumerate(zip(requests, root_pos, accepted)):
@@ -207,12 +208,15 @@ class RolloutEngine:
                             [r.generator for r in requests])
 
     @staticmethod
-    def _record_stats(requests: list[Request], drafts: DraftBatch,
-                      accepted: list[Accepted]) -> None:
+    def _record_stats(requests: list[Request], drafts: DraftBatch, accepted: list[Accepted],
+                      num_before: list[int]) -> None:
+        """Counts the accepted draft tokens the request kept: a path that runs past a stop token
+        (or the length limit) is cut there, and what lies beyond never becomes output."""
         sources, depths = drafts.sources.tolist(), drafts.depths.tolist()
-        for b, (r, acc) in enumerate(zip(requests, accepted)):
+        for b, (r, acc, before) in enumerate(zip(requests, accepted, num_before)):
             n = drafts.num_nodes[b]
-            r.spec.record(n, max(depths[b][:n], default=0), [sources[b][i] for i in acc.node_ids])
+            kept = acc.node_ids[: len(r.output_token_ids) - before]
+            r.spec.record(n, max(depths[b][:n], default=0), [sources[b][i] for i in kept])
 
     # ------------------------------------------------------------------------------- helpers
     def _make_requests(self, prompts: list[list[int]],

@@ -180,3 +180,26 @@ def test_greedy_suffix_equals_plain_and_learns_from_earlier_rollouts(tiny_checkp
         assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
     assert engine.last_stats.accept_length > 1.5
     assert engine.last_stats.accepted_by_source.get("suffix", 0) > 0
+
+
+def test_stats_count_only_accepted_tokens_the_request_kept(tiny_checkpoint):
+    """A path that runs past the length limit (or a stop token) is cut there: what lies beyond
+    is not output, so it is not counted as accepted either."""
+    path, _ = tiny_checkpoint
+    prompts = _prompts(6, seed=11)
+    plain = RolloutEngine(path, max_batch_size=3, max_seq_len=96).generate(
+        prompts, SamplingParams(greedy=True, max_new_tokens=30, ignore_eos=True))
+    refs = {tuple(p): c.token_ids for p, c in zip(prompts, plain)}
+    spec = SpecConfig(method="suffix", depth=6, topk=1, tokens_to_verify=6)
+    engine = RolloutEngine(path, max_batch_size=3, max_seq_len=96, spec=spec)
+    engine.proposer = OracleProposer(refs, seed=0, wrong_rate=0.0)  # drafts run 30 tokens deep
+    outs = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=9,
+                                                   ignore_eos=True))
+    assert [c.token_ids for c in outs] == [c.token_ids[:9] for c in plain]
+    for c in outs:
+        # 1 token from prefill, then per verify step the kept accepted tokens plus a bonus
+        # token, except that the last step's bonus may be cut
+        made = 1 + c.spec.num_accepted + c.spec.num_verify_steps
+        assert made - 1 <= len(c.token_ids) <= made
+    total = sum(len(c.token_ids) for c in outs)
+    assert engine.last_stats.num_accepted < total
