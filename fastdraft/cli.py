@@ -87,6 +87,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", type=Path, default=None,
                    help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
                         "if missing)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--methods", default="none,eagle,suffix")
     # The tree shape that measured best on the 2-core CPU (a verify pass costs ~30 us a node).
@@ -97,6 +100,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 @command("bench", "side-by-side benchmarks that print a table and write JSON")(_bench_args)
 def run_bench_cmd(args: argparse.Namespace) -> int:
+    from fastdraft.bench.common import parse_dtype
     from fastdraft.demo import heldout_prompts, resolve_model
     model_dir = resolve_model(args.model, args.cache_dir)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
@@ -110,13 +114,15 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     run_engine_bench(EngineBenchConfig(model_dir=model_dir, prompts=prompts,
                                        batch_sizes=batch_sizes,
                                        max_new_tokens=args.max_new_tokens,
-                                       repeats=args.repeats, compile=not args.no_compile),
+                                       repeats=args.repeats, compile=not args.no_compile,
+                                       device=args.device, dtype=parse_dtype(args.dtype)),
                      args.json)
     return 0
 
 
 def _bench_spec(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]],
                 batch_sizes: tuple[int, ...]) -> int:
+    from fastdraft.bench.common import parse_dtype
     from fastdraft.bench.spec_bench import SpecBenchConfig, run_spec_bench
     from fastdraft.demo import ensure_drafter
     drafter = ensure_drafter(model_dir, args.drafter)
@@ -126,7 +132,8 @@ def _bench_spec(args: argparse.Namespace, model_dir: Path, prompts: list[list[in
                           methods=tuple(args.methods.split(",")), depth=args.depth,
                           topk=args.topk, tokens_to_verify=args.tokens_to_verify,
                           max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                          compile=args.compile)
+                          compile=args.compile, device=args.device,
+                          dtype=parse_dtype(args.dtype))
     run_spec_bench(cfg, args.json)
     return 0
 

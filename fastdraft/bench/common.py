@@ -9,20 +9,51 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastdraft.utils.atomic import atomic_write_text
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """A --dtype name -> torch dtype (None: the engine's default for its device)."""
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _sync() -> None:
+    # GPU work is asynchronous: a timer must wait for it (a no-op until CUDA is in use).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
     """Runs fn warmup + repeats times; returns (median seconds of the timed runs, last result)."""
-    result = None
+    return interleaved_medians({"": fn}, repeats, warmup)[""]
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+                        ) -> dict[str, tuple[float, Any]]:
+    """Times several contenders round-robin (A B C A B C ...), so a machine that drifts or
+    stutters during the run (shared or virtualised hosts) hits each of them alike; returns
+    {name: (median seconds of its timed runs, its last result)}."""
+    results: dict[str, Any] = {}
     for _ in range(warmup):
-        result = fn()
-    times = []
+        for name, fn in fns.items():
+            results[name] = fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            _sync()
+            start = time.perf_counter()
+            results[name] = fn()
+            _sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), results.get(name)) for name in fns}
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -2,7 +2,8 @@
 prompts, greedy and sampled, at several batch sizes — measured side by side in one run — plus the
 unit costs that bound the speedup (one verify pass and one draft step vs one decode step).
 
-Every row rolls out the same prompts, `batch_size` at a time (batch 1 = one after another). The
+Every row rolls out the same prompts, `batch_size` at a time (batch 1 = one after another); the
+methods of a row are timed in turn, repeat by repeat, so machine drift hits them alike. The
 suffix rows first roll the prompts out once at the same settings (the previous RL step's
 rollouts of the same prompts), then measure."""
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fastdraft.bench.common import median_seconds, print_table, write_json
+from fastdraft.bench.common import interleaved_medians, median_seconds, print_table, write_json
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
@@ -41,6 +42,8 @@ class SpecBenchConfig:
     max_new_tokens: int = 160
     repeats: int = 3
     compile: bool = False  # torch.compile the policy steps (and the drafter step) of every method
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: the engine's default (float32 on CPU, bf16 on CUDA)
 
     def __post_init__(self) -> None:
         unknown = set(self.methods) - set(METHODS)
@@ -56,7 +59,8 @@ def _engine(cfg: SpecBenchConfig, method: str, max_batch: int) -> RolloutEngine:
     spec = SpecConfig(method=method, depth=cfg.depth, topk=cfg.topk,
                       tokens_to_verify=cfg.tokens_to_verify)
     max_len = max(map(len, cfg.prompts)) + cfg.max_new_tokens + 1
-    return RolloutEngine(cfg.model_dir, max_batch_size=max_batch, max_seq_len=max_len, spec=spec,
+    return RolloutEngine(cfg.model_dir, device=cfg.device, dtype=cfg.dtype,
+                         max_batch_size=max_batch, max_seq_len=max_len, spec=spec,
                          drafter=cfg.drafter_dir if method == "eagle" else None,
                          compile=cfg.compile)
 
@@ -74,11 +78,11 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
                 _roll_out(engines["suffix"], chunks,
                           replace(params, seed=params.seed + len(cfg.prompts)))
                 engines["suffix"].advance_step()
+            timed = interleaved_medians(
+                {m: (lambda e=e, c=chunks, sp=params: _roll_out(e, c, sp))
+                 for m, e in engines.items()}, cfg.repeats, warmup=2 if cfg.compile else 1)
             results = {}
-            for method, engine in engines.items():
-                seconds, (outs, accept_length) = median_seconds(
-                    lambda e=engine, c=chunks, sp=params: _roll_out(e, c, sp), cfg.repeats,
-                    warmup=2 if cfg.compile else 1)
+            for method, (seconds, (outs, accept_length)) in timed.items():
                 num_tokens = sum(len(c.token_ids) for c in outs)
                 results[method] = (num_tokens / seconds, outs, accept_length)
             base_tps, base_outs, _ = results.get("none", (None, None, None))
@@ -95,15 +99,22 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
     costs = unit_costs(engines["eagle"]) if "eagle" in engines else {}
     for name, value in costs.items():
         print(f"{name}: {value:.3f}")
-    payload = dict(rows=rows, unit_costs=costs, spec=dict(depth=cfg.depth, topk=cfg.topk,
-                                                          tokens_to_verify=cfg.tokens_to_verify),
-                   compile=cfg.compile,
+    payload = dict(rows=rows, unit_costs=costs,
+                   spec=dict(depth=cfg.depth, topk=cfg.topk, tokens_to_verify=cfg.tokens_to_verify),
+                   compile=cfg.compile, device=_device_name(cfg.device),
+                   dtype=str(next(engines[cfg.methods[0]].model.parameters()).dtype),
                    model_dir=str(cfg.model_dir), drafter_dir=str(cfg.drafter_dir),
                    repeats=cfg.repeats, torch=torch.__version__,
                    threads=torch.get_num_threads(), machine=platform.machine())
     if json_path is not None:
         write_json(json_path, payload)
     return payload
+
+
+def _device_name(device: str) -> str:
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: SamplingParams
@@ -131,9 +142,10 @@ def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200
     runner, spec, proposer = engine.runner, engine.spec, engine.proposer
     context_len = min(context_len, engine.max_seq_len - 1)  # the tree must fit the cache
     drafter = proposer.drafter  # type: ignore[attr-defined]
+    dev = proposer.device  # type: ignore[attr-defined]
     n = spec.tokens_to_verify
     tree = DraftBatch.from_trees([DraftTree(torch.full((n,), 5), torch.arange(-1, n - 1),
-                                            None, None)])
+                                            None, None)], device=dev)
     request = Request(0, [5] * context_len, SamplingParams(greedy=True), frozenset(),
                       engine.max_seq_len, None)
     request.slot = 0
@@ -146,12 +158,13 @@ def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200
         runner.verify([5], [context_len], tree, [0])
 
     k = spec.topk
-    feats = torch.zeros(1, k, drafter.config.hidden_size)
-    ids = torch.full((1, k), 5)
-    pos = torch.full((1, k), context_len + 1)
+    feats = torch.zeros(1, k, drafter.config.hidden_size, device=dev,
+                        dtype=proposer.dtype)  # type: ignore[attr-defined]
+    ids = torch.full((1, k), 5, device=dev)
+    pos = torch.full((1, k), context_len + 1, device=dev)
     kv = KVView.for_slots(proposer.k, proposer.v, [0])  # type: ignore[attr-defined]
-    cells = torch.arange(context_len + 1, context_len + 1 + k).unsqueeze(0)
-    mask = torch.ones(1, k, context_len + 1 + k, dtype=torch.bool)
+    cells = torch.arange(context_len + 1, context_len + 1 + k, device=dev).unsqueeze(0)
+    mask = torch.ones(1, k, context_len + 1 + k, dtype=torch.bool, device=dev)
     attn = AttnMeta(mask, cache_positions=cells)
 
     def draft() -> None:
