@@ -153,6 +153,9 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
                    help="unrolled training steps (default: eagle1 2, eagle3 3)")
     p.add_argument("--all-tokens", action="store_true",
                    help="also score prompt positions (default: answer tokens only)")
+    p.add_argument("--argmax-weight", type=float, default=None,
+                   help="share of the policy's argmax in the CE target: higher favours greedy "
+                        "over sampled acceptance (default: WarmupConfig's)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -162,7 +165,8 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
     policy = resolve_model(args.policy, args.cache_dir)
     out = args.out or default_drafter_dir(policy, args.kind)
-    given = {"num_rollouts": args.num_rollouts, "steps": args.steps}
+    given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
+             "argmax_weight": args.argmax_weight}
     cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
                        response_only=not args.all_tokens,
                        **{k: v for k, v in given.items() if v is not None})

@@ -31,22 +31,35 @@ def soft_ce(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     return -(target_probs * logits.float().log_softmax(-1)).sum(-1)
 
 
+def ce_target(policy_probs: torch.Tensor, argmax_weight: float) -> torch.Tensor:
+    """[..., V] -> [..., V]: (1 - w) * p + w * onehot(argmax p). Greedy verification accepts a
+    draft only where it IS the policy's argmax, so where p is nearly flat between two tokens the
+    drafter must still rank them as the policy does; the one-hot share widens that margin.
+    Sampled verification wants q close to p, so w trades sampled for greedy acceptance."""
+    if argmax_weight == 0.0:
+        return policy_probs
+    hard = F.one_hot(policy_probs.argmax(-1), policy_probs.shape[-1]).to(policy_probs.dtype)
+    return torch.lerp(policy_probs, hard, argmax_weight)
+
+
 def eagle1_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
                 valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None,
-                num_steps: int = DEFAULT_NUM_STEPS["eagle1"]) -> tuple[torch.Tensor, Metrics]:
+                num_steps: int = DEFAULT_NUM_STEPS["eagle1"], argmax_weight: float = 0.0
+                ) -> tuple[torch.Tensor, Metrics]:
     """EAGLE-1: 1.0 * SmoothL1(f^, f) + 0.1 * soft-CE per step. num_steps > 1 adds HASS-style
     unrolled steps (the drafter's own features fed back), which is what deeper draft levels see;
     num_steps = 1 is classic EAGLE-1."""
     return unrolled_loss(drafter, input_ids, hidden, valid, lm_head, weights, num_steps,
-                         regression_weight=1.0, ce_weight=0.1)
+                         regression_weight=1.0, ce_weight=0.1, argmax_weight=argmax_weight)
 
 
 def eagle3_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
                 valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None = None,
-                num_steps: int = DEFAULT_NUM_STEPS["eagle3"]) -> tuple[torch.Tensor, Metrics]:
+                num_steps: int = DEFAULT_NUM_STEPS["eagle3"], argmax_weight: float = 0.0
+                ) -> tuple[torch.Tensor, Metrics]:
     """EAGLE-3: soft-CE only, with a training-time test over num_steps."""
     return unrolled_loss(drafter, input_ids, hidden, valid, lm_head, weights, num_steps,
-                         regression_weight=0.0, ce_weight=1.0)
+                         regression_weight=0.0, ce_weight=1.0, argmax_weight=argmax_weight)
 
 
 def ttt_mask(num_steps: int, length: int, device: torch.device) -> torch.Tensor:
@@ -67,12 +80,13 @@ def ttt_mask(num_steps: int, length: int, device: torch.device) -> torch.Tensor:
 
 def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
                   valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None,
-                  num_steps: int, regression_weight: float, ce_weight: float
-                  ) -> tuple[torch.Tensor, Metrics]:
+                  num_steps: int, regression_weight: float, ce_weight: float,
+                  argmax_weight: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """Training-time test over num_steps: step j feeds the drafter its own step-(j-1) outputs and
     token t+1+j, scored against the policy at token t+1+j (its features f_{t+1+j} by SmoothL1
     when regression_weight > 0, its next-token distribution by soft-CE); loss = sum_j 0.8^j *
-    (regression_weight * SmoothL1_j + ce_weight * CE_j). input_ids [B, T], hidden [B, T, H],
+    (regression_weight * SmoothL1_j + ce_weight * CE_j), CE against ce_target(p, argmax_weight).
+    input_ids [B, T], hidden [B, T, H],
     valid [B, T] bool (tokens that may be scored), weights [B] optional per-sample weights.
     Each step re-runs the earlier steps' inputs (no cache: autograd-safe, k is small)."""
     batch, seq_len = input_ids.shape
@@ -102,7 +116,7 @@ def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenState
         step_mask = (valid[:, idx] & in_range & valid[:, :-1]).float()
         if weights is not None:
             step_mask = step_mask * weights.view(-1, 1)
-        ce = _masked_mean(soft_ce(logits, target_probs), step_mask)
+        ce = _masked_mean(soft_ce(logits, ce_target(target_probs, argmax_weight)), step_mask)
         step_loss = ce_weight * ce
         if regression_weight > 0:
             reg = _masked_mean(F.smooth_l1_loss(out.float(), target_f.float(),
@@ -120,12 +134,12 @@ def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenState
 
 def drafter_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
                  valid: torch.Tensor, lm_head: torch.nn.Module,
-                 weights: torch.Tensor | None = None, num_steps: int | None = None
-                 ) -> tuple[torch.Tensor, Metrics]:
+                 weights: torch.Tensor | None = None, num_steps: int | None = None,
+                 argmax_weight: float = 0.0) -> tuple[torch.Tensor, Metrics]:
     """The loss of the drafter's kind (registered below); num_steps None = the kind's default."""
     num_steps = DEFAULT_NUM_STEPS[drafter.kind] if num_steps is None else num_steps
     return LOSSES[drafter.kind](drafter, input_ids, hidden, valid, lm_head, weights,
-                                num_steps=num_steps)
+                                num_steps=num_steps, argmax_weight=argmax_weight)
 
 
 LOSSES = {"eagle1": eagle1_loss, "eagle3": eagle3_loss}

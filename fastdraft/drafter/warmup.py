@@ -38,6 +38,9 @@ class WarmupConfig:
     ttt_steps: int | None = None
     # Score only pairs that draft answer tokens: prompt positions are never drafted in a rollout.
     response_only: bool = True
+    # Share of the policy's argmax (one-hot) in the drafter's CE target (losses.ce_target):
+    # raises greedy acceptance, at some cost to sampled acceptance where the policy is flat.
+    argmax_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
@@ -45,6 +48,9 @@ class WarmupConfig:
                 raise ValueError(f"WarmupConfig.{name} must be >= 1")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError("lr must be > 0 and warmup_steps in [0, steps)")
+        if not 0.0 <= self.argmax_weight <= 1.0:
+            raise ValueError(f"WarmupConfig.argmax_weight must be in [0, 1], got "
+                             f"{self.argmax_weight}")
         if self.ttt_steps is not None and self.ttt_steps < 1:
             raise ValueError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
         if self.kind not in DEFAULT_NUM_STEPS:
@@ -122,7 +128,7 @@ def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg
             positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
             _, hidden = policy(ids, positions, aux_layers=drafter.aux_layers)
         loss, m = drafter_loss(drafter, ids, hidden, valid, policy.lm_head,
-                               num_steps=cfg.ttt_steps)
+                               num_steps=cfg.ttt_steps, argmax_weight=cfg.argmax_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

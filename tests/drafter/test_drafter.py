@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from fastdraft.drafter import build_drafter, load_drafter, save_drafter
-from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, drafter_loss, eagle1_loss, ttt_mask
+from fastdraft.drafter.losses import (
+    DEFAULT_NUM_STEPS,
+    ce_target,
+    drafter_loss,
+    eagle1_loss,
+    soft_ce,
+    ttt_mask,
+)
 from fastdraft.drafter.warmup import WarmupConfig, _batches, first_drafted_pair, train_drafter
 from fastdraft.engine.request import Request
 from fastdraft.engine.sampling_params import SamplingParams
@@ -146,3 +153,35 @@ def test_warmup_config_records_the_kinds_unrolled_steps():
     assert WarmupConfig(kind="eagle1", ttt_steps=1).ttt_steps == 1
     with pytest.raises(ValueError, match="unknown drafter kind"):
         WarmupConfig(kind="medusa")
+
+
+def test_ce_target_mixes_in_the_policys_argmax():
+    p = torch.tensor([[0.45, 0.40, 0.15], [0.1, 0.2, 0.7]])
+    assert torch.equal(ce_target(p, 0.0), p)
+    mixed = ce_target(p, 0.5)
+    torch.testing.assert_close(mixed, torch.tensor([[0.725, 0.20, 0.075], [0.05, 0.10, 0.85]]))
+    torch.testing.assert_close(mixed.sum(-1), torch.ones(2))
+    assert torch.equal(ce_target(p, 1.0).argmax(-1), p.argmax(-1))
+    # a drafter that ranks the two near-tied tokens the wrong way round costs more against the
+    # mixed target than against p alone
+    wrong = torch.tensor([[0.40, 0.45, 0.15]]).log()
+    right = torch.tensor([[0.45, 0.40, 0.15]]).log()
+    gap = soft_ce(wrong, p[:1]) - soft_ce(right, p[:1])
+    mixed_gap = soft_ce(wrong, mixed[:1]) - soft_ce(right, mixed[:1])
+    assert mixed_gap > gap > 0
+
+
+def test_argmax_weight_reaches_the_loss_and_is_checked(policy):
+    torch.manual_seed(3)
+    drafter = build_drafter("eagle1", policy.config, 64).attach(policy)
+    ids = torch.randint(3, 64, (2, 9))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        _, hidden = policy(ids, torch.arange(9).expand(2, -1))
+        _, m0 = drafter_loss(drafter, ids, hidden, valid, policy.lm_head)
+        _, m1 = drafter_loss(drafter, ids, hidden, valid, policy.lm_head, argmax_weight=0.5)
+    assert m1["soft_ce_0"] != pytest.approx(m0["soft_ce_0"])
+    assert m1["regression_0"] == pytest.approx(m0["regression_0"])  # only the CE target moves
+    assert WarmupConfig(argmax_weight=0.5).argmax_weight == 0.5
+    with pytest.raises(ValueError, match="argmax_weight"):
+        WarmupConfig(argmax_weight=1.5)
