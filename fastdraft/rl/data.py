@@ -43,7 +43,11 @@ def load_prompts(
     if not file.is_file():
         raise FileNotFoundError(f"prompt file not found: {str(file)!r}")
 
-    import datasets  # deferred: importing datasets costs ~1 s and only this function needs it
+    try:  # deferred: importing datasets costs ~1 s and only this function needs it
+        import datasets
+    except ImportError as err:
+        raise ImportError("loading prompt files needs the `datasets` package (a fastdraft "
+                          "dependency): pip install 'datasets>=3.0'") from err
 
     read = getattr(datasets.Dataset, f"from_{builder}")  # from_json / from_parquet
     dataset = read(str(file), split=split)

@@ -119,13 +119,19 @@ def test_checkpoint_roundtrip_and_mismatch(policy, tmp_path):
         load_drafter(tmp_path / "missing", policy, 64)
 
 
-def test_unrolled_eagle1_scores_every_step_and_step0_is_classic_eagle1(policy):
-    torch.manual_seed(2)
+def _random_eagle1_batch(policy, seed: int):
+    """An untrained EAGLE-1 drafter and a random [2, 9] batch with the policy's hidden states."""
+    torch.manual_seed(seed)
     drafter = build_drafter("eagle1", policy.config, 64).attach(policy)
     ids = torch.randint(3, 64, (2, 9))
-    valid = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
         _, hidden = policy(ids, torch.arange(9).expand(2, -1))
+    return drafter, ids, hidden, torch.ones_like(ids, dtype=torch.bool)
+
+
+def test_unrolled_eagle1_scores_every_step_and_step0_is_classic_eagle1(policy):
+    drafter, ids, hidden, valid = _random_eagle1_batch(policy, seed=2)
+    with torch.no_grad():
         one, m1 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head, num_steps=1)
         three, m3 = eagle1_loss(drafter, ids, hidden, valid, policy.lm_head, num_steps=3)
     assert {"regression_0", "soft_ce_0", "top1_acc_0"} <= m1.keys()
@@ -172,12 +178,8 @@ def test_ce_target_mixes_in_the_policys_argmax():
 
 
 def test_argmax_weight_reaches_the_loss_and_is_checked(policy):
-    torch.manual_seed(3)
-    drafter = build_drafter("eagle1", policy.config, 64).attach(policy)
-    ids = torch.randint(3, 64, (2, 9))
-    valid = torch.ones_like(ids, dtype=torch.bool)
+    drafter, ids, hidden, valid = _random_eagle1_batch(policy, seed=3)
     with torch.no_grad():
-        _, hidden = policy(ids, torch.arange(9).expand(2, -1))
         _, m0 = drafter_loss(drafter, ids, hidden, valid, policy.lm_head)
         _, m1 = drafter_loss(drafter, ids, hidden, valid, policy.lm_head, argmax_weight=0.5)
     assert m1["soft_ce_0"] != pytest.approx(m0["soft_ce_0"])
