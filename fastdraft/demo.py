@@ -29,13 +29,19 @@ def resolve_model(model: Path | None, cache_dir: Path | None) -> Path:
     return run_bootstrap(cache_dir).policy_dir
 
 
+#: Marks a default drafter that ensure_drafter warmed up by itself (free to replace when stale).
+AUTO_WARMED = "auto_warmed"
+
+
 def default_drafter_dir(policy_dir: Path, kind: str) -> Path:
     return policy_dir.parent / f"drafter-{kind}"
 
 
 def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagle1") -> Path:
-    """An explicit drafter dir, else the default one beside the policy, warmed up if missing or
-    if it was trained with other warm-up settings than today's defaults."""
+    """An explicit drafter dir, else the default one beside the policy: warmed up if missing, and
+    warmed up again if fastdraft warmed it up itself with other settings than today's defaults
+    (a bench must not measure an outdated drafter silently). One that `fastdraft drafter warmup`
+    put there with the user's own settings is used as it is, never overwritten."""
     if drafter_dir is not None:
         return drafter_dir
     from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
@@ -43,14 +49,20 @@ def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagl
     cfg = WarmupConfig(kind=kind)
     config_file = out / "drafter_config.json"
     if config_file.is_file():
-        if json.loads(config_file.read_text()).get("warmup") == asdict(cfg):
+        meta = json.loads(config_file.read_text())
+        if meta.get("warmup") == asdict(cfg):
+            return out
+        if not meta.get(AUTO_WARMED):
+            print(f"using the drafter at {out}, warmed up with settings other than today's "
+                  "defaults (not by fastdraft on its own); pass --drafter DIR for another one, "
+                  "or delete it to warm up a default one")
             return out
         print(f"the drafter at {out} was warmed up with other settings than the current "
               "defaults: warming up a new one")
     else:
         print(f"no drafter at {out}: warming one up (offline, on the policy's rollouts)")
     warmup_drafter(policy_dir, out, prompt_ids(policy_dir, None, cfg.num_rollouts,
-                                               heldout=False), cfg)
+                                               heldout=False), cfg, meta={AUTO_WARMED: True})
     return out
 
 

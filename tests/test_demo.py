@@ -1,5 +1,6 @@
 """The default drafter beside the policy is reused only while it matches today's warm-up
-settings; a stale one is re-trained (a bench must not measure an outdated drafter silently)."""
+settings; a stale one that fastdraft warmed up itself is re-trained (a bench must not measure an
+outdated drafter silently), one the user warmed up there is kept."""
 
 from __future__ import annotations
 
@@ -11,29 +12,29 @@ from fastdraft import demo
 from fastdraft.drafter.warmup import WarmupConfig
 
 
-def _fake_drafter(out, warmup: dict) -> None:
-    out.mkdir(parents=True)
-    (out / "drafter_config.json").write_text(json.dumps({"kind": "eagle1", "warmup": warmup}))
+def _fake_drafter(out, warmup: dict, auto: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"kind": "eagle1", "warmup": warmup} | ({demo.AUTO_WARMED: True} if auto else {})
+    (out / "drafter_config.json").write_text(json.dumps(meta))
 
 
 def test_ensure_drafter_reuses_a_current_one_and_retrains_a_stale_one(tmp_path, monkeypatch):
     policy = tmp_path / "policy"
     calls = []
     monkeypatch.setattr(warmup_mod, "warmup_drafter",
-                        lambda policy_dir, out, prompts, cfg: calls.append((out, cfg)))
+                        lambda policy_dir, out, prompts, cfg, **_: calls.append((out, cfg)))
     monkeypatch.setattr(demo, "prompt_ids", lambda *a, **k: [[1, 2]])
     out = demo.default_drafter_dir(policy, "eagle1")
     _fake_drafter(out, asdict(WarmupConfig(kind="eagle1")))
     assert demo.ensure_drafter(policy, None) == out and calls == []
 
     stale = asdict(WarmupConfig(kind="eagle1")) | {"steps": 1500}
-    (out / "drafter_config.json").write_text(json.dumps({"kind": "eagle1", "warmup": stale}))
+    _fake_drafter(out, stale)
     assert demo.ensure_drafter(policy, None) == out
     assert len(calls) == 1 and calls[0][1] == WarmupConfig(kind="eagle1")
 
     # A drafter saved when the unrolled-steps default was left unresolved (None) is stale too.
-    unresolved = asdict(WarmupConfig(kind="eagle1")) | {"ttt_steps": None}
-    (out / "drafter_config.json").write_text(json.dumps({"kind": "eagle1", "warmup": unresolved}))
+    _fake_drafter(out, asdict(WarmupConfig(kind="eagle1")) | {"ttt_steps": None})
     demo.ensure_drafter(policy, None)
     assert len(calls) == 2
 
@@ -44,7 +45,28 @@ def test_ensure_drafter_reuses_a_current_one_and_retrains_a_stale_one(tmp_path, 
 def test_ensure_drafter_warms_up_a_missing_one(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(warmup_mod, "warmup_drafter",
-                        lambda policy_dir, out, prompts, cfg: calls.append(out))
+                        lambda policy_dir, out, prompts, cfg, **_: calls.append(out))
     monkeypatch.setattr(demo, "prompt_ids", lambda *a, **k: [[1, 2]])
     out = demo.ensure_drafter(tmp_path / "policy", None, kind="eagle3")
     assert calls == [out] and out.name == "drafter-eagle3"
+
+
+def test_ensure_drafter_keeps_a_drafter_the_user_warmed_up(tmp_path, monkeypatch, capsys):
+    """`fastdraft drafter warmup --argmax-weight 0.5` without --out writes the default dir: a
+    later bench uses that drafter (and says so) instead of training over it."""
+    policy = tmp_path / "policy"
+    calls = []
+    monkeypatch.setattr(warmup_mod, "warmup_drafter", lambda *a, **k: calls.append(a))
+    out = demo.default_drafter_dir(policy, "eagle1")
+    _fake_drafter(out, asdict(WarmupConfig(kind="eagle1", argmax_weight=0.5)), auto=False)
+    assert demo.ensure_drafter(policy, None) == out and calls == []
+    assert "other than today's defaults" in capsys.readouterr().out
+
+
+def test_warmup_drafter_records_extra_meta(tmp_path, tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    cfg = WarmupConfig(num_rollouts=2, max_new_tokens=4, steps=2, batch_size=2, warmup_steps=0)
+    warmup_mod.warmup_drafter(path, tmp_path / "d", [[3, 4, 5], [6, 7]], cfg, log=lambda _: None,
+                              meta={demo.AUTO_WARMED: True})
+    meta = json.loads((tmp_path / "d" / "drafter_config.json").read_text())
+    assert meta[demo.AUTO_WARMED] is True and meta["warmup"] == asdict(cfg)

@@ -145,7 +145,9 @@ def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg
 
 
 def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
-                   cfg: WarmupConfig = WarmupConfig(), log: Log = print) -> WarmupReport:
+                   cfg: WarmupConfig = WarmupConfig(), log: Log = print,
+                   meta: dict | None = None) -> WarmupReport:
+    """Trains and saves a drafter; `meta` adds entries to its drafter_config.json."""
     torch.manual_seed(cfg.seed)
     policy = load_model(policy_dir, max_positions=max(map(len, prompts)) + cfg.max_new_tokens + 2)
     for p in policy.parameters():
@@ -159,6 +161,6 @@ def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[li
     score_from = ([first_drafted_pair(len(p)) for p in prompts] if cfg.response_only else None)
     tokens, metrics = train_drafter(drafter, policy, seqs, cfg, log, score_from)
     train_s = time.perf_counter() - start
-    save_drafter(drafter, out_dir, extra={"warmup": asdict(cfg)})
+    save_drafter(drafter, out_dir, extra={"warmup": asdict(cfg), **(meta or {})})
     return WarmupReport(Path(out_dir), cfg.kind, len(seqs), tokens, rollout_s, train_s,
                         metrics.get("loss", math.nan), metrics.get("top1_acc", math.nan))
