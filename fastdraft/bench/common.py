@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +24,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def device_name(device: str) -> str:
+    """What a bench ran on, for its JSON: the GPU's name, else the host processor."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def _sync() -> None:

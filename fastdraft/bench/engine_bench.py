@@ -7,7 +7,6 @@ timed in turn, repeat by repeat, so machine drift hits them alike."""
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 import transformers
 
-from fastdraft.bench.common import interleaved_medians, print_table, write_json
+from fastdraft.bench.common import device_name, interleaved_medians, print_table, write_json
 from fastdraft.engine import RolloutEngine, SamplingParams
 
 
@@ -101,7 +100,7 @@ def run_engine_bench(cfg: EngineBenchConfig, json_path: str | Path | None = None
     payload = dict(rows=rows, model_dir=str(cfg.model_dir), repeats=cfg.repeats,
                    max_new_tokens=cfg.max_new_tokens, torch=torch.__version__,
                    transformers=transformers.__version__, threads=torch.get_num_threads(),
-                   machine=platform.processor() or platform.machine(), device=cfg.device,
+                   device=device_name(cfg.device),
                    dtype=str(dtype))
     if json_path is not None:
         write_json(json_path, payload)

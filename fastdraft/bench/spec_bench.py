@@ -9,14 +9,19 @@ rollouts of the same prompts), then measure."""
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fastdraft.bench.common import interleaved_medians, median_seconds, print_table, write_json
+from fastdraft.bench.common import (
+    device_name,
+    interleaved_medians,
+    median_seconds,
+    print_table,
+    write_json,
+)
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
@@ -101,20 +106,14 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
         print(f"{name}: {value:.3f}")
     payload = dict(rows=rows, unit_costs=costs,
                    spec=dict(depth=cfg.depth, topk=cfg.topk, tokens_to_verify=cfg.tokens_to_verify),
-                   compile=cfg.compile, device=_device_name(cfg.device),
+                   compile=cfg.compile, device=device_name(cfg.device),
                    dtype=str(next(engines[cfg.methods[0]].model.parameters()).dtype),
                    model_dir=str(cfg.model_dir), drafter_dir=str(cfg.drafter_dir),
                    repeats=cfg.repeats, torch=torch.__version__,
-                   threads=torch.get_num_threads(), machine=platform.machine())
+                   threads=torch.get_num_threads())
     if json_path is not None:
         write_json(json_path, payload)
     return payload
-
-
-def _device_name(device: str) -> str:
-    if str(device).startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
 
 
 def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: SamplingParams
