@@ -5,7 +5,9 @@ unit costs that bound the speedup (one verify pass and one draft step vs one dec
 Every row rolls out the same prompts, `batch_size` at a time (batch 1 = one after another); the
 methods of a row are timed in turn, repeat by repeat, so machine drift hits them alike. The
 suffix rows first roll the prompts out once at the same settings (the previous RL step's
-rollouts of the same prompts), then measure."""
+rollouts of the same prompts), then measure. Speculative rows also count their verify steps
+against the floor their tree depth allows (`min_verify_steps`): the gap is all a better drafter
+could still win at this depth."""
 
 from __future__ import annotations
 
@@ -87,20 +89,25 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
                 {m: (lambda e=e, c=chunks, sp=params: _roll_out(e, c, sp))
                  for m, e in engines.items()}, cfg.repeats, warmup=2 if cfg.compile else 1)
             results = {}
-            for method, (seconds, (outs, accept_length)) in timed.items():
+            for method, (seconds, (outs, stats)) in timed.items():
                 num_tokens = sum(len(c.token_ids) for c in outs)
-                results[method] = (num_tokens / seconds, outs, accept_length)
+                results[method] = (num_tokens / seconds, outs, stats)
             base_tps, base_outs, _ = results.get("none", (None, None, None))
-            for method, (tps, outs, accept_length) in results.items():
+            for method, (tps, outs, stats) in results.items():
                 match = None
                 if temperature == 0.0 and base_outs is not None:
                     match = [c.token_ids for c in outs] == [c.token_ids for c in base_outs]
+                is_spec = method != "none"
                 rows.append(dict(method=method, batch_size=bs, temperature=temperature,
-                                 tokens_per_s=tps, accept_length=accept_length,
+                                 tokens_per_s=tps, accept_length=stats.accept_length,
                                  speedup_vs_none=tps / base_tps if base_tps else None,
-                                 outputs_match=match))
+                                 outputs_match=match,
+                                 verify_steps=stats.num_verify_steps if is_spec else None,
+                                 min_verify_steps=min_verify_steps(
+                                     [len(c.token_ids) for c in outs], cfg.depth)
+                                 if is_spec else None))
     print_table(rows, ["method", "batch_size", "temperature", "tokens_per_s", "accept_length",
-                       "speedup_vs_none", "outputs_match"])
+                       "speedup_vs_none", "outputs_match", "verify_steps", "min_verify_steps"])
     costs = unit_costs(engines["eagle"]) if "eagle" in engines else {}
     for name, value in costs.items():
         print(f"{name}: {value:.3f}")
@@ -117,8 +124,8 @@ def run_spec_bench(cfg: SpecBenchConfig, json_path: str | Path | None = None) ->
 
 
 def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: SamplingParams
-              ) -> tuple[list, float]:
-    """All chunks one after another -> (completions, accept_length over all of them). Request j
+              ) -> tuple[list, SpecStats]:
+    """All chunks one after another -> (completions, spec stats over all of them). Request j
     of a generate call samples from seed + j, so each chunk starts its seed at its first prompt's
     index: prompt i always samples from seed i, whatever the batch size (with one seed for every
     chunk, batch-1 rows would roll out every prompt with the same random stream)."""
@@ -127,7 +134,15 @@ def _roll_out(engine: RolloutEngine, chunks: list[list[list[int]]], params: Samp
         outs += engine.generate(chunk, replace(params, seed=params.seed + start))
         stats.merge(engine.last_stats)
         start += len(chunk)
-    return outs, stats.accept_length
+    return outs, stats
+
+
+def min_verify_steps(completion_lens: list[int], depth: int) -> int:
+    """The fewest verify steps that could produce these completions with trees `depth` deep:
+    prefill gives each answer its first token and a step at most depth + 1 (the accepted path
+    plus the bonus token). verify_steps / min_verify_steps shows what a perfect drafter would
+    still gain at this depth; short answers can sit near the floor with any drafter."""
+    return sum(-(-(n - 1) // (depth + 1)) for n in completion_lens if n > 1)
 
 
 def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200

@@ -1,4 +1,4 @@
-from fastdraft.bench.spec_bench import _roll_out
+from fastdraft.bench.spec_bench import _roll_out, min_verify_steps
 from fastdraft.engine import SamplingParams
 from fastdraft.engine.spec.stats import SpecStats
 
@@ -26,6 +26,15 @@ def test_roll_out_gives_every_prompt_its_own_seed_at_any_batch_size() -> None:
         assert seeds == [100 + i for i in range(6)]
 
 
+def test_min_verify_steps_counts_full_trees_after_the_prefill_token() -> None:
+    # depth 6: a step yields at most 7 tokens; the first token comes from prefill.
+    assert min_verify_steps([8], depth=6) == 1
+    assert min_verify_steps([9], depth=6) == 2
+    assert min_verify_steps([1, 0], depth=6) == 0          # done at prefill: no step
+    assert min_verify_steps([8, 10, 34], depth=6) == 1 + 2 + 5
+    assert min_verify_steps([10], depth=1) == 5
+
+
 def test_spec_bench_runs_every_method_and_reports_unit_costs(tiny_checkpoint, random_drafter,
                                                              tmp_path):
     from fastdraft.bench.spec_bench import SpecBenchConfig, run_spec_bench
@@ -43,6 +52,10 @@ def test_spec_bench_runs_every_method_and_reports_unit_costs(tiny_checkpoint, ra
         assert row["tokens_per_s"] > 0 and row["speedup_vs_none"] > 0
         # Lossless: every speculative greedy row reproduces plain greedy decoding.
         assert row["outputs_match"] is (True if row["temperature"] == 0.0 else None)
+        if row["method"] == "none":
+            assert row["verify_steps"] is None and row["min_verify_steps"] is None
+        else:  # no drafter beats the floor its tree depth sets
+            assert row["verify_steps"] >= row["min_verify_steps"] > 0
     costs = payload["unit_costs"]
     assert set(costs) == {"decode_step_ms", "verify_pass_ms", "draft_step_ms", "draft_tree_ms",
                           "verify_over_decode", "draft_over_decode", "draft_tree_over_decode"}
