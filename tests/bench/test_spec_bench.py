@@ -56,6 +56,10 @@ def test_spec_bench_runs_every_method_and_reports_unit_costs(tiny_checkpoint, ra
             assert row["verify_steps"] is None and row["min_verify_steps"] is None
         else:  # no drafter beats the floor its tree depth sets
             assert row["verify_steps"] >= row["min_verify_steps"] > 0
+    # Greedy suffix drafting over an earlier greedy rollout of the same prompt knows every
+    # answer: it takes exactly the floor, so the floor is tight.
+    suffix_greedy = [r for r in rows if r["method"] == "suffix" and r["temperature"] == 0.0]
+    assert all(r["verify_steps"] == r["min_verify_steps"] for r in suffix_greedy)
     costs = payload["unit_costs"]
     assert set(costs) == {"decode_step_ms", "verify_pass_ms", "draft_step_ms", "draft_tree_ms",
                           "verify_over_decode", "draft_over_decode", "draft_tree_over_decode"}
