@@ -75,7 +75,7 @@ def run_generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine", "spec"], help="what to benchmark")
+    p.add_argument("which", choices=["engine", "spec", "gpu"], help="what to benchmark")
     _cache_arg(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
@@ -85,7 +85,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="spec: torch.compile every method's steps (slow to warm up)")
     p.add_argument("--no-compile", action="store_true",
-                   help="engine: skip the torch.compile'd engine rows (saves ~1 min)")
+                   help="engine: skip the torch.compile'd engine rows (saves ~1 min); "
+                        "gpu: measure without torch.compile")
     p.add_argument("--num-prompts", type=int, default=16,
                    help="prompts per row, rolled out batch_size at a time")
     p.add_argument("--drafter", type=Path, default=None,
@@ -101,6 +102,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--tokens-to-verify", type=int, default=12)
+    p.add_argument("--shape", default="qwen2.5-7b",
+                   help="gpu: a real model shape with random weights (bench/real_shapes.py)")
+    p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
+    p.add_argument("--parts", default="generate,decode,cycle,memory",
+                   help="gpu: which measurements to run")
 
 
 @command("bench", "side-by-side benchmarks that print a table and write JSON")(_bench_args)
@@ -108,6 +114,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from fastdraft.bench.common import parse_dtype
     from fastdraft.demo import heldout_prompts, resolve_model
     dtype = parse_dtype(args.dtype)
+    if args.which == "gpu":
+        return _bench_gpu(args, dtype)
     model_dir = resolve_model(args.model, args.cache_dir)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = tuple(int(b) for b in sizes.split(","))
@@ -123,6 +131,23 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
                                        repeats=args.repeats, compile=not args.no_compile,
                                        device=args.device, dtype=dtype),
                      args.json)
+    return 0
+
+
+def _bench_gpu(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
+    import torch
+
+    from fastdraft.bench.gpu_bench import GpuBenchConfig, run_gpu_bench
+    device = args.device if args.device != "cpu" else "cuda"
+    cfg = GpuBenchConfig(shape=args.shape,
+                         batch_sizes=tuple(int(b) for b in (args.batch_sizes or "1,8,64").split(
+                             ",")),
+                         contexts=tuple(int(c) for c in args.contexts.split(",")),
+                         repeats=args.repeats, compile=not args.no_compile, device=device,
+                         dtype=dtype or torch.bfloat16)
+    if not torch.cuda.is_available():
+        raise ValueError("bench gpu needs a CUDA GPU (none is visible to torch here)")
+    run_gpu_bench(cfg, args.json, parts=tuple(args.parts.split(",")))
     return 0
 
 
@@ -161,6 +186,8 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--argmax-weight", type=float, default=None,
                    help="share of the policy's argmax in the CE target: higher favours greedy "
                         "over sampled acceptance (default: WarmupConfig's)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft over the N most frequent answer tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -171,7 +198,7 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     policy = resolve_model(args.policy, args.cache_dir)
     out = args.out or default_drafter_dir(policy, args.kind)
     given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
-             "argmax_weight": args.argmax_weight}
+             "argmax_weight": args.argmax_weight, "draft_vocab": args.draft_vocab}
     cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
                        response_only=not args.all_tokens,
                        **{k: v for k, v in given.items() if v is not None})

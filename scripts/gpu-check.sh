@@ -5,8 +5,10 @@
 # Set FASTDRAFT_CACHE to a copy of a cache that holds the bootstrap policy and its drafter, or the
 # first bench trains them (minutes). GPU_CHECK_FULL=1 also runs the whole CPU suite on this
 # machine's torch. GPU_CHECK_BENCH lists the bench runs as WHICH:DTYPE[:EXTRA+ARGS], e.g.
-#   GPU_CHECK_BENCH="spec:bfloat16 engine:float32:--no-compile spec:float32:--compile+--repeats+5"
-# (default: the fp32 spec bench, where greedy speculative output must equal plain output).
+#   GPU_CHECK_BENCH="spec:bfloat16 engine:float32:--no-compile gpu:bfloat16:--parts+cycle,memory"
+# (default: the real-shape GPU bench without torch.compile, then the fp32 spec bench, where
+# greedy speculative output must equal plain output). `bench gpu` with torch.compile spends
+# minutes compiling on a fresh machine: ask for it explicitly (gpu:bfloat16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu}
@@ -22,7 +24,7 @@ if [[ ${GPU_CHECK_FULL:-0} == 1 ]]; then
   "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests 2>&1 | tail -15 \
     | tee "$out/cpu_suite.log" || status=1
 fi
-for run in ${GPU_CHECK_BENCH:-spec:float32}; do
+for run in ${GPU_CHECK_BENCH:-gpu:bfloat16:--no-compile+--repeats+2 spec:float32}; do
   IFS=: read -r which dtype extra <<<"$run"
   name=bench_${which}_${dtype}${extra:+_${extra//[^a-z0-9]/}}
   # shellcheck disable=SC2086  # extra holds several arguments

@@ -17,20 +17,11 @@ from typing import Any
 
 import torch
 
-from fastdraft.bench.common import (
-    device_name,
-    interleaved_medians,
-    median_seconds,
-    print_table,
-    write_json,
-)
+from fastdraft.bench.common import device_name, interleaved_medians, print_table, write_json
+from fastdraft.bench.step_costs import stage_costs
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.request import Request
-from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
-from fastdraft.engine.spec.tree import DraftTree
-from fastdraft.models import AttnMeta, KVView
 
 METHODS = ("none", "eagle", "suffix")
 
@@ -147,52 +138,8 @@ def min_verify_steps(completion_lens: list[int], depth: int) -> int:
 
 def unit_costs(engine: RolloutEngine, context_len: int = 64, repeats: int = 200
                ) -> dict[str, float]:
-    """Batch-1 costs relative to one plain decode step, at `context_len` tokens of context (at
-    most max_seq_len - 1): a verify pass over a full tree; one drafter step over one tree level
-    (topk nodes, reading the drafter's cache through the tree mask, as inside a step); and a
-    whole draft tree (every level plus the best-first pick). Each is measured back to back, warm
-    in cache: inside a real step the drafter calls right after the verify pass run ~50 us
-    slower, the policy having evicted the drafter's weights."""
-    runner, spec, proposer = engine.runner, engine.spec, engine.proposer
-    context_len = min(context_len, engine.max_seq_len - 1)  # the tree must fit the cache
-    drafter = proposer.drafter  # type: ignore[attr-defined]
-    dev = proposer.device  # type: ignore[attr-defined]
-    n = spec.tokens_to_verify
-    tree = DraftBatch.from_trees([DraftTree(torch.full((n,), 5), torch.arange(-1, n - 1),
-                                            None, None)], device=dev)
-    request = Request(0, [5] * context_len, SamplingParams(greedy=True), frozenset(),
-                      engine.max_seq_len, None)
-    request.slot = 0
-    proposer.root_pos[0] = context_len  # type: ignore[attr-defined]
-
-    def decode() -> None:
-        runner.decode([5], [context_len], [0])
-
-    def verify() -> None:
-        runner.verify([5], [context_len], tree, [0])
-
-    k = spec.topk
-    feats = torch.zeros(1, k, drafter.config.hidden_size, device=dev,
-                        dtype=proposer.dtype)  # type: ignore[attr-defined]
-    ids = torch.full((1, k), 5, device=dev)
-    pos = torch.full((1, k), context_len + 1, device=dev)
-    kv = KVView.for_slots(proposer.k, proposer.v, [0])  # type: ignore[attr-defined]
-    cells = torch.arange(context_len + 1, context_len + 1 + k, device=dev).unsqueeze(0)
-    mask = torch.ones(1, k, context_len + 1 + k, dtype=torch.bool, device=dev)
-    attn = AttnMeta(mask, cache_positions=cells)
-
-    def draft() -> None:
-        with torch.inference_mode():
-            drafter.step(feats, ids, pos, kv, attn)
-
-    def draft_tree() -> None:
-        proposer.propose([request], spec)
-
-    decode_s, _ = median_seconds(decode, repeats, warmup=10)
-    verify_s, _ = median_seconds(verify, repeats, warmup=10)
-    draft_s, _ = median_seconds(draft, repeats, warmup=10)
-    tree_s, _ = median_seconds(draft_tree, repeats, warmup=10)
-    return {"decode_step_ms": decode_s * 1e3, "verify_pass_ms": verify_s * 1e3,
-            "draft_step_ms": draft_s * 1e3, "draft_tree_ms": tree_s * 1e3,
-            "verify_over_decode": verify_s / decode_s, "draft_over_decode": draft_s / decode_s,
-            "draft_tree_over_decode": tree_s / decode_s}
+    """Batch-1 costs of the EAGLE engine's stages relative to one plain decode step, at
+    `context_len` tokens of context (bench/step_costs.py): a draft tree, a verify pass (with
+    acceptance and KV compaction), the drafter's commit, and the whole cycle. Each stage is
+    measured back to back, warm in cache."""
+    return stage_costs(engine, context_len, repeats)

@@ -28,6 +28,9 @@ class Drafter(nn.Module):
                                     cfg.max_position_embeddings, max_positions)
         # Borrowed from the policy by attach(); kept out of state_dict and parameters().
         self._borrowed: dict[str, nn.Module] = {}
+        # Optional draft vocabulary (target token ids, [Vd]): drafting scores only these tokens
+        # (engine/spec/draft_head.py); saved with the checkpoint.
+        self.draft_token_ids: torch.Tensor | None = None
 
     def attach(self, policy: CausalLM) -> Drafter:
         """Shares the policy's embedding and lm_head (frozen for the drafter)."""
@@ -52,6 +55,9 @@ class Drafter(nn.Module):
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self._borrowed_weight("lm_head"))
 
+    def lm_head_weight(self) -> torch.Tensor:
+        return self._borrowed["lm_head"].weight.detach()
+
     def _borrowed_weight(self, name: str) -> torch.Tensor:
         weight = self._borrowed[name].weight
         return weight.detach() if torch.is_grad_enabled() else weight
@@ -66,7 +72,18 @@ class Drafter(nn.Module):
         """features [B, T, H] (of token t), input_ids [B, T] (token t + 1), positions [B, T]
         (of token t + 1) or their RopeTable -> (features predicted for token t + 1 [B, T, H],
         logits [B, T, V] for token t + 2)."""
+        out = self.advance(features, input_ids, positions, kv, attn)
+        return out, self.lm_head(self.head_input(out))
+
+    def advance(self, features: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+                attn: AttnMeta | None = None) -> torch.Tensor:
+        """`step` without the logits: the engine computes them only where it uses them."""
         raise NotImplementedError
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads from the drafter's output features."""
+        return out
 
     def rope_for(self, positions: torch.Tensor | RopeTable, dtype: torch.dtype) -> RopeTable:
         """A draft tree looks up every level's rotation at once and passes the table in."""

@@ -26,6 +26,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(), **(extra or {})}
+        if drafter.draft_token_ids is not None:
+            meta["draft_token_ids"] = drafter.draft_token_ids.tolist()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
@@ -51,6 +53,8 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
     missing = {n for n, _ in drafter.named_parameters()} - set(named)
     if missing:
         raise ValueError(f"drafter {path} lacks weights {sorted(missing)[:3]}")
+    if meta.get("draft_token_ids") is not None:
+        drafter.draft_token_ids = torch.tensor(meta["draft_token_ids"], dtype=torch.long)
     return drafter.eval()
 
 

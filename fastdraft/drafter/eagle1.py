@@ -24,9 +24,8 @@ class Eagle1Drafter(Drafter):
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:
         return hidden.final
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor,
-             positions: torch.Tensor | RopeTable, kv: KVView | None = None,
-             attn: AttnMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance(self, features: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+                attn: AttnMeta | None = None) -> torch.Tensor:
         x = self.fc(torch.cat([self.embed(input_ids), features.to(self.fc.weight.dtype)], -1))
-        out = self.layers[0](x, self.rope_for(positions, x.dtype), kv, attn)
-        return out, self.lm_head(out)
+        return self.layers[0](x, self.rope_for(positions, x.dtype), kv, attn)

@@ -39,14 +39,16 @@ class Eagle3Drafter(Drafter):
                              f"with aux_layers={self.aux_layers}")
         return self.fc(torch.cat(hidden.aux, -1).to(self.fc.weight.dtype))
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor,
-             positions: torch.Tensor | RopeTable, kv: KVView | None = None,
-             attn: AttnMeta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance(self, features: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor | RopeTable, kv: KVView | None = None,
+                attn: AttnMeta | None = None) -> torch.Tensor:
         layer = self.midlayer
         emb = layer.input_layernorm(self.embed(input_ids))
         x = torch.cat([emb, layer.hidden_norm(features)], -1)
         # The layer's own input norm is applied above (to the embedding half only).
         rope = self.rope_for(positions, x.dtype)
         h = features + layer.self_attn(x, rope, kv, attn)
-        out = h + layer.mlp(layer.post_attention_layernorm(h))
-        return out, self.lm_head(self.norm(out))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out)

@@ -41,6 +41,10 @@ class WarmupConfig:
     # Share of the policy's argmax (one-hot) in the drafter's CE target (losses.ce_target):
     # raises greedy acceptance, at some cost to sampled acceptance where the policy is flat.
     argmax_weight: float = 0.0
+    # Draft vocabulary: the N most frequent tokens of the warm-up answers (None: every token).
+    # A draft level then reads N rows of the lm_head instead of all (FR-Spec); drafts stay
+    # lossless (other tokens just have q = 0).
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
@@ -51,6 +55,8 @@ class WarmupConfig:
         if not 0.0 <= self.argmax_weight <= 1.0:
             raise ValueError(f"WarmupConfig.argmax_weight must be in [0, 1], got "
                              f"{self.argmax_weight}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError("WarmupConfig.draft_vocab must be >= 1 (or None for every token)")
         if self.ttt_steps is not None and self.ttt_steps < 1:
             raise ValueError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
         if self.kind not in DEFAULT_NUM_STEPS:
@@ -144,6 +150,18 @@ def train_drafter(drafter: Drafter, policy: CausalLM, seqs: list[list[int]], cfg
     return tokens, metrics
 
 
+def frequent_tokens(seqs: list[list[int]], n: int, score_from: list[int] | None = None
+                    ) -> torch.Tensor:
+    """The n most frequent tokens of the sequences (from score_from[i] on: the drafted ones),
+    ties broken by token id; fewer when fewer distinct tokens occur."""
+    counts: dict[int, int] = {}
+    for i, seq in enumerate(seqs):
+        for tok in seq[(score_from[i] + 2 if score_from else 0):]:  # the answer tokens
+            counts[tok] = counts.get(tok, 0) + 1
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:n]
+    return torch.tensor(sorted(ranked), dtype=torch.long)
+
+
 def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
                    cfg: WarmupConfig = WarmupConfig(), log: Log = print,
                    meta: dict | None = None) -> WarmupReport:
@@ -159,6 +177,9 @@ def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[li
     drafter = build_drafter(cfg.kind, policy.config, policy.rope.cos.shape[0]).attach(policy)
     start = time.perf_counter()
     score_from = ([first_drafted_pair(len(p)) for p in prompts] if cfg.response_only else None)
+    if cfg.draft_vocab is not None:
+        drafter.draft_token_ids = frequent_tokens(seqs, cfg.draft_vocab, score_from)
+        log(f"draft vocabulary: the {len(drafter.draft_token_ids)} most frequent answer tokens")
     tokens, metrics = train_drafter(drafter, policy, seqs, cfg, log, score_from)
     train_s = time.perf_counter() - start
     save_drafter(drafter, out_dir, extra={"warmup": asdict(cfg), **(meta or {})})

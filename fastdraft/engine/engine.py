@@ -1,8 +1,11 @@
 """RolloutEngine: continuous-batching generation over the slot KV cache, speculative when asked.
 
 step() = schedule -> propose -> verify -> accept -> postprocess. Without speculation "propose" is
-empty and "verify" is a plain decode step. A callback receives each request the moment it
-finishes (the DataBuffer listens), long before the batch's tail is done.
+empty and "verify" is a plain decode step. Every step is graph-static: its inputs are copied
+into static buffers padded to a batch bucket and a context bucket, the device work runs as a
+few stages (captured as CUDA graphs on a GPU, eager elsewhere: the same code), and its results
+come back in one transfer. A callback receives each request the moment it finishes (the
+DataBuffer listens), long before the batch's tail is done.
 """
 
 from __future__ import annotations
@@ -14,65 +17,88 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from fastdraft.engine.buckets import BucketPlan
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.request import Completion, Request
-from fastdraft.engine.sampler import SamplingTensors, sample, sample_greedy
+from fastdraft.engine.rng import Stream, seed_of, uniform_keyed
+from fastdraft.engine.sampler import sample
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
-from fastdraft.engine.spec.batch import DraftBatch
+from fastdraft.engine.spec.accept import accept_greedy, accept_sampled
 from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.proposer import Committed, Proposer
+from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
-from fastdraft.engine.spec.tree import Accepted
-from fastdraft.engine.spec.verify import verify_batch, verify_greedy_batch
+from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.models import CausalLM, load_model, load_named_tensors
 
 OnFinish = Callable[[Completion], None]
 
 
 class RolloutEngine:
+    """graphs: capture steps as CUDA graphs (default: on for CUDA devices, off elsewhere);
+    buckets: the batch / context padding ladders (default: graph ladders when graphs are on,
+    exact sizes otherwise)."""
+
     def __init__(self, model_path: str | Path, device: str = "cpu", max_batch_size: int = 64,
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
-                 spec: SpecConfig | None = None, compile: bool = False) -> None:
+                 spec: SpecConfig | None = None, compile: bool = False,
+                 graphs: bool | None = None, buckets: BucketPlan | None = None) -> None:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-        max_seq_len = max_seq_len or 4096
-        spec = spec or SpecConfig()
-        model = load_model(model_path, device, dtype, max_positions=_rope_len(max_seq_len, spec))
-        self._init(model, max_batch_size, max_seq_len, max_prefill_tokens,
-                   _generation_eos(Path(model_path)), drafter, spec, compile)
+        envelope = Envelope.for_spec(max_seq_len or 4096, spec or SpecConfig())
+        model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
+        self._init(model, max_batch_size, envelope, max_prefill_tokens,
+                   _generation_eos(Path(model_path)), drafter, spec or SpecConfig(), compile,
+                   graphs, buckets)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
                    max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
-                   spec: SpecConfig | None = None) -> RolloutEngine:
-        """Wraps an in-memory model (it keeps its storage: load_weights updates it in place)."""
+                   spec: SpecConfig | None = None, compile: bool = False,
+                   graphs: bool | None = None, buckets: BucketPlan | None = None,
+                   proposer: Proposer | None = None) -> RolloutEngine:
+        """Wraps an in-memory model (it keeps its storage: load_weights updates it in place).
+        proposer: an already built proposer (e.g. an EagleProposer over an in-memory drafter)
+        instead of one loaded from `drafter`."""
         spec = spec or SpecConfig()
-        if model.rope.cos.shape[0] < _rope_len(max_seq_len, spec):
+        envelope = Envelope.for_spec(max_seq_len, spec)
+        if model.rope.cos.shape[0] < envelope.rope_len:
             raise ValueError(f"the model's rotary table covers {model.rope.cos.shape[0]} "
-                             f"positions, less than {_rope_len(max_seq_len, spec)} needed")
+                             f"positions, less than {envelope.rope_len} needed")
         engine = cls.__new__(cls)
-        engine._init(model.eval(), max_batch_size, max_seq_len, max_prefill_tokens, (),
-                     drafter, spec)
+        engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
+                     spec, compile, graphs, buckets, proposer)
         return engine
 
-    def _init(self, model: CausalLM, max_batch_size: int, max_seq_len: int,
+    def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
               max_prefill_tokens: int, extra_eos: tuple[int, ...], drafter: str | Path | None,
-              spec: SpecConfig, compile: bool = False) -> None:
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+              spec: SpecConfig, compile: bool = False, graphs: bool | None = None,
+              buckets: BucketPlan | None = None, proposer: Proposer | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
         self.model = model
         self.config = model.config
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.max_prefill_tokens = max(max_prefill_tokens, max_seq_len)
+        self.envelope = envelope
+        self.max_batch_size, self.max_seq_len = max_batch_size, envelope.max_seq_len
+        self.max_prefill_tokens = max(max_prefill_tokens, envelope.max_seq_len)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(extra_eos)
         self.spec = spec
-        # Tree nodes sit in scratch cells past the committed tokens: the cache holds them too.
-        cache_len = max_seq_len + (spec.tokens_to_verify + 1 if spec.enabled else 0)
-        self.runner = ModelRunner(model, max_batch_size, cache_len, compile)
-        self.proposer: Proposer = make_proposer(spec, model, drafter, max_batch_size, cache_len,
-                                                compile)
+        self.runner = ModelRunner(model, envelope, max_batch_size, compile)
+        self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
+                                                            envelope, compile)
+        device = self.runner.device
+        self.graphs = GraphPool(device, graphs)
+        self.buckets = buckets or BucketPlan.build(max_batch_size, envelope.cache_len,
+                                                   exact=not self.graphs.enabled)
+        # Eager CPU steps may read a flag on the host to end a loop early: nothing waits for a
+        # device there. Captured graphs (and CUDA) never do (tests switch this off to check).
+        self.eager_shortcuts = device.type == "cpu" and not self.graphs.enabled
+        self.io = StepIO(max_batch_size, envelope, self.config.hidden_size,
+                         len(self.proposer.aux_layers), self.config.vocab_size, device,
+                         self.runner.dtype)
         self.policy_version = 0
         self.drafter_version: int | None = 0 if spec.method != "none" else None
         self.rl_step = 0
@@ -109,6 +135,7 @@ class RolloutEngine:
                      version: int | None = None) -> int:
         """Updates the policy in place (HF names); returns the new policy version."""
         load_named_tensors(self.model, named_tensors)
+        self.proposer.refresh()
         self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
@@ -116,7 +143,7 @@ class RolloutEngine:
                              version: int | None = None) -> int:
         """Updates the drafter's trainable tensors in place; returns the new drafter version."""
         drafter = getattr(self.proposer, "drafter", None)
-        if drafter is None:
+        if drafter is None or not isinstance(drafter, torch.nn.Module):
             raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
         load_named_tensors(drafter, named_tensors)
         self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
@@ -128,95 +155,162 @@ class RolloutEngine:
         self.proposer.advance_step(self.rl_step)
 
     # ------------------------------------------------------------------------------ one step
+    @torch.inference_mode()
     def step(self, scheduler: Scheduler) -> list[Request]:
         batch = scheduler.schedule()
         if batch.phase is Phase.PREFILL:
-            return self._prefill(scheduler, batch)
-        if self.spec.enabled:
-            return self._speculate(scheduler, batch)
-        requests = batch.requests
-        logits = self.runner.decode([r.last_token_id for r in requests],
-                                    [r.num_tokens - 1 for r in requests],
-                                    [r.slot for r in requests])
-        return self._sample_one(scheduler, batch, logits)
-
-    def _sample_one(self, scheduler: Scheduler, batch: ScheduledBatch,
-                    logits: torch.Tensor) -> list[Request]:
-        requests = batch.requests
-        if all(r.params.is_greedy for r in requests):  # the common eval path: no tensors to build
-            token_ids, logprobs = sample_greedy(logits)
+            finished = self._prefill(scheduler, batch)
+        elif self.spec.enabled:
+            finished = self._speculate(scheduler, batch)
         else:
-            st = SamplingTensors.build([r.params for r in requests], logits.shape[-1],
-                                       logits.device)
-            token_ids, logprobs = sample(logits, st, [r.generator for r in requests])
-        return scheduler.postprocess(batch, [[t] for t in token_ids.tolist()],
-                                     [[lp] for lp in logprobs.tolist()])
+            finished = self._decode(scheduler, batch)
+        moves = scheduler.take_moves()
+        if moves:  # keep the running requests in slots 0..n-1
+            self.runner.move(moves)
+            self.proposer.move(moves)
+            self.io.sampling.move(moves)
+        return finished
 
     def _prefill(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
-        requests = batch.requests
-        logits, hidden = self.runner.prefill([r.prompt_token_ids for r in requests],
-                                             [r.slot for r in requests], self.proposer.aux_layers)
-        finished = self._sample_one(scheduler, batch, logits)
+        requests, start = batch.requests, batch.slot_start
+        self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
+        logits, hidden = self.runner.prefill([r.prompt_token_ids for r in requests], start,
+                                             self.proposer.aux_layers)
+        st = self.io.sampling.tensors.rows(start, start + len(requests))
+        mode = SamplingMode.of(requests)
+        uniforms = None
+        if mode is not SamplingMode.GREEDY:  # counter: the first token's position (prompt length)
+            lens = torch.tensor([[len(r.prompt_token_ids)] for r in requests],
+                                device=st.keys.device)
+            uniforms = uniform_keyed(st.key(Stream.SAMPLE), lens).squeeze(1)
+        tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
         if self.spec.enabled:
-            done = {id(r) for r in finished}
-            self.proposer.on_commit([
-                Committed(r, r.prompt_token_ids[1:] + r.output_token_ids, 1,
-                          hidden.final[b, : len(r.prompt_token_ids)],
-                          tuple(a[b, : len(r.prompt_token_ids)] for a in hidden.aux))
-                for b, r in enumerate(requests) if id(r) not in done])
-        return finished
+            self.proposer.on_prefill(requests, hidden, start, tokens)
+        rows = torch.stack([tokens.double(), logprobs.double()], 1).tolist()
+        return self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
+                                 [[lp] for _, lp in rows])
+
+    def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+        requests = batch.requests
+        size = self.buckets.batch_bucket(len(requests))
+        lengths = [r.num_tokens for r in requests]
+        ctx_len = self.buckets.context_bucket(max(lengths))
+        # Every row ends at the last cell and none is padding: no mask needed (exact buckets).
+        sees_all = size == len(requests) and min(lengths) == ctx_len
+        mode = SamplingMode.of(requests)
+        self.io.load([r.last_token_id for r in requests], [n - 1 for n in lengths], size)
+        self.graphs.run(("decode", size, ctx_len, mode, sees_all),
+                        lambda: self._decode_stage(size, ctx_len, mode, sees_all))
+        rows = self.io.read_out(len(requests))
+        return self._postprocess(scheduler, batch, [[int(r[0])] for r in rows],
+                                 [[r[1]] for r in rows])
+
+    def _decode_stage(self, size: int, ctx_len: int, mode: SamplingMode,
+                      sees_all: bool = False) -> None:
+        io = self.io
+        positions = io.root_pos[:size]
+        logits = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all)
+        st = io.sampling.rows(size)
+        uniforms = None if mode is SamplingMode.GREEDY else uniform_keyed(
+            st.key(Stream.SAMPLE), (positions + 1).unsqueeze(1)).squeeze(1)
+        tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
+        io.out[:size, 0] = tokens
+        io.out[:size, 1] = logprobs
 
     def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """propose -> verify (one policy forward over every tree) -> accept -> postprocess."""
-        requests = batch.requests
-        drafts = self.proposer.propose(requests, self.spec)
+        requests, cfg, io, proposer = batch.requests, self.spec, self.io, self.proposer
+        size = self.buckets.batch_bucket(len(requests))
         root_pos = [r.num_tokens - 1 for r in requests]
-        logits, hidden = self.runner.verify([r.last_token_id for r in requests], root_pos, drafts,
-                                            [r.slot for r in requests], self.proposer.aux_layers)
-        accepted = self._accept(requests, drafts, logits)
-        start = self.runner.tree_start(root_pos)
-        slots, src, dst = [], [], []
-        for r, p, acc in zip(requests, root_pos, accepted):
-            for j, node in enumerate(acc.node_ids):
-                slots.append(r.slot)
-                src.append(start + node)
-                dst.append(p + 1 + j)
-        self.runner.compact(slots, src, dst)
+        ctx_len = self.buckets.context_bucket(max(root_pos) + 1 + self.envelope.tree_cells)
+        mode = SamplingMode.of(requests)
+        width = proposer.draft_width(cfg)
+        io.load([r.last_token_id for r in requests], root_pos, size)
+        assert io.drafts is not None
+        if proposer.drafts_on_device:
+            sampled_drafts = mode is not SamplingMode.GREEDY
+            self.graphs.run(("draft", size, ctx_len, cfg.depth, cfg.topk, width, mode),
+                            lambda: proposer.draft(io, size, ctx_len, cfg, mode))
+        else:
+            drafts = proposer.propose(requests, cfg)
+            sampled_drafts = drafts.parent_probs is not None
+            io.drafts.store(drafts, size, width)
+        self.graphs.run(("verify", size, ctx_len, width, cfg.depth, mode, sampled_drafts),
+                        lambda: self._verify_stage(size, ctx_len, width, cfg.depth, mode,
+                                                   sampled_drafts))
+        if proposer.drafts_on_device:
+            self.graphs.run(("commit", size, ctx_len), lambda: proposer.commit(io, size, ctx_len))
+        rows = io.read_out(len(requests))
         num_before = [len(r.output_token_ids) for r in requests]
-        finished = scheduler.postprocess(batch, [a.token_ids for a in accepted],
-                                         [a.logprobs for a in accepted])
-        self._record_stats(requests, drafts, accepted, num_before)
-        done = {id(r) for r in finished}
-        committed = []
-        for b, (r, p, acc) in enumerate(zip(requests, root_pos, accepted)):
-            if id(r) in done:
-                continue
-            # The policy's hidden states of the root and the accepted nodes: the token before
-            # each newly committed token.
-            rows = [0, *(1 + n for n in acc.node_ids)]
-            committed.append(Committed(r, acc.token_ids, p + 1, hidden.final[b, rows],
-                                       tuple(a[b, rows] for a in hidden.aux)))
-        self.proposer.on_commit(committed)
+        w = io.commit_width
+        counts = [int(row[0]) + 1 for row in rows]
+        finished = self._postprocess(
+            scheduler, batch, [[int(t) for t in row[3: 3 + n]] for row, n in zip(rows, counts)],
+            [row[3 + w: 3 + w + n] for row, n in zip(rows, counts)])
+        for r, row, before in zip(requests, rows, num_before):
+            # Count only the accepted draft tokens the request kept: a path that runs past a
+            # stop token (or the length limit) is cut there.
+            kept = min(int(row[0]), len(r.output_token_ids) - before)
+            r.spec.record(int(row[1]), int(row[2]),
+                          [int(s) for s in row[3 + 2 * w: 3 + 2 * w + kept]])
         return finished
 
-    @staticmethod
-    def _accept(requests: list[Request], drafts: DraftBatch, logits: torch.Tensor
-                ) -> list[Accepted]:
-        if all(r.params.is_greedy for r in requests):
-            return verify_greedy_batch(drafts, logits)
-        return verify_batch(drafts, logits, [r.params for r in requests],
-                            [r.generator for r in requests])
+    def _verify_stage(self, size: int, ctx_len: int, width: int, depth: int,
+                      mode: SamplingMode, sampled_drafts: bool) -> None:
+        io = self.io
+        assert io.drafts is not None
+        drafts = io.drafts.view(size, width, sampled_drafts)
+        root_pos = io.root_pos[:size]
+        logits, hidden = self.runner.verify(io.root_ids[:size], root_pos, drafts, ctx_len,
+                                            self.proposer.aux_layers)
+        st = io.sampling.rows(size)
+        if mode is SamplingMode.GREEDY:
+            acc = accept_greedy(drafts, logits, depth)
+        else:
+            nodes = torch.arange(width, device=root_pos.device)
+            node_u = uniform_keyed(st.key(Stream.VERIFY), (root_pos.unsqueeze(1) << 12) + nodes)
+            bonus_u = uniform_keyed(st.key(Stream.BONUS), root_pos.unsqueeze(1)).squeeze(1)
+            acc = accept_sampled(drafts, logits, st, node_u, bonus_u, depth, mode.needs_filter,
+                                 stop_early=self.eager_shortcuts)
+        self.runner.compact(root_pos, acc)
+        # The drafter's commit: the accepted tokens + bonus and the policy's hidden states of
+        # the tokens before them (the root, then each accepted node).
+        cols = depth + 1
+        io.accepted_ids[:size, :cols] = acc.token_ids
+        io.accepted_ids[:size, cols:] = 0
+        io.num_accepted[:size] = acc.num_accepted
+        if self.proposer.drafts_on_device:
+            rows = torch.cat([torch.zeros_like(root_pos).unsqueeze(1), (acc.path + 1).clamp_min(0)],
+                             1).unsqueeze(-1)
+            for dst, src in zip((io.commit_final, *io.commit_aux),
+                                (hidden.final, *hidden.aux)):
+                assert dst is not None
+                dst[:size, :cols] = src.gather(1, rows.expand(-1, -1, src.shape[-1]))
+        # The step's one transfer: [num_accepted, num_nodes, tree depth, tokens, logprobs,
+        # sources of the path's nodes] per row.
+        w = io.commit_width
+        real = torch.arange(width, device=root_pos.device) < drafts.num_nodes.unsqueeze(1)
+        out = io.out[:size]
+        out.zero_()
+        out[:, 0] = acc.num_accepted
+        out[:, 1] = drafts.num_nodes
+        out[:, 2] = torch.where(real, drafts.depths, 0).amax(1) if width else 0
+        out[:, 3: 3 + cols] = acc.token_ids
+        out[:, 3 + w: 3 + w + cols] = acc.logprobs
+        if width:
+            out[:, 3 + 2 * w: 3 + 2 * w + depth] = drafts.sources.gather(
+                1, acc.path.clamp_min(0)).double()
 
-    @staticmethod
-    def _record_stats(requests: list[Request], drafts: DraftBatch, accepted: list[Accepted],
-                      num_before: list[int]) -> None:
-        """Counts the accepted draft tokens the request kept: a path that runs past a stop token
-        (or the length limit) is cut there, and what lies beyond never becomes output."""
-        sources, depths = drafts.sources.tolist(), drafts.depths.tolist()
-        for b, (r, acc, before) in enumerate(zip(requests, accepted, num_before)):
-            n = drafts.num_nodes[b]
-            kept = acc.node_ids[: len(r.output_token_ids) - before]
-            r.spec.record(n, max(depths[b][:n], default=0), [sources[b][i] for i in kept])
+    def _postprocess(self, scheduler: Scheduler, batch: ScheduledBatch,
+                     token_ids: list[list[int]], logprobs: list[list[float]]) -> list[Request]:
+        num_before = [len(r.output_token_ids) for r in batch.requests]
+        finished = scheduler.postprocess(batch, token_ids, logprobs)
+        if self.spec.enabled:
+            done = {id(r) for r in finished}
+            for r, before in zip(batch.requests, num_before):
+                if id(r) not in done:
+                    self.proposer.on_tokens(r, r.output_token_ids[before:])
+        return finished
 
     # ------------------------------------------------------------------------------- helpers
     def _make_requests(self, prompts: list[list[int]],
@@ -241,16 +335,9 @@ class RolloutEngine:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
             stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
                                                   else self.eos_token_ids)
-            generator = None
-            if p.seed is not None and not p.is_greedy:
-                generator = torch.Generator(self.runner.device).manual_seed(p.seed + i)
-            requests.append(Request(i, prompt, p, stop, self.max_seq_len, generator))
+            seed = 0 if p.is_greedy else seed_of(p.seed, i)
+            requests.append(Request(i, prompt, p, stop, self.max_seq_len, seed))
         return requests
-
-
-def _rope_len(max_seq_len: int, spec: SpecConfig) -> int:
-    """Positions the rotary tables must cover: the cache plus the deepest draft beyond it."""
-    return max_seq_len + (spec.tokens_to_verify + spec.depth + 2 if spec.enabled else 0)
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

@@ -1,96 +1,107 @@
-"""The one place that touches the device: owns the policy model and its slot KV cache and turns a
-scheduled batch into a forward pass. Static cache shapes keep the decode step graph-capturable."""
+"""The one place that touches the policy on the device: owns the model and its slot KV cache and
+turns a step's static inputs into a forward pass. Every method here takes device tensors and
+Python sizes only (a batch bucket, a context bucket), so the same calls run eagerly and inside
+captured CUDA graphs; prefill alone is eager (prompt lengths vary too much to capture)."""
 
 from __future__ import annotations
 
 import torch
 
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.scheduler import SlotMove
+from fastdraft.engine.slot_state import move_slots
+from fastdraft.engine.spec.accept import AcceptedBatch
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.models import AttnMeta, CausalLM, HiddenStates, causal_cache_meta
-from fastdraft.models.attn_meta import KVViews
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
+from fastdraft.models.attn_meta import tree_mask
 from fastdraft.models.packing import pack_for_inference
 
 
 class ModelRunner:
-    """compile=True runs decode and verify through torch.compile (dynamic shapes; CPU and GPU):
-    fewer, fused kernels per step. Prefill and the first calls of each new shape stay eager-speed
-    while compiling; compile=False is the plain eager path the tests exercise."""
+    """compile=True runs the policy's forward through torch.compile (dynamic shapes, CPU and
+    GPU): fused kernels for the norms, rotations and activations between the matmuls. Graph
+    capture (engine/graphs.py) then replays the compiled kernels."""
 
-    def __init__(self, model: CausalLM, num_slots: int, cache_len: int,
+    def __init__(self, model: CausalLM, envelope: Envelope, num_slots: int,
                  compile: bool = False) -> None:
         self.model = pack_for_inference(model)
-        self.step_model = torch.compile(self.model, dynamic=True) if compile else self.model
+        self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
         cfg = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.cache_len = cache_len
+        self.envelope = envelope
         # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads,
-                                    cache_len, cfg.head_dim, dtype=self.dtype, device=self.device)
+                                    envelope.cache_len, cfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
         self.k_cache = list(self.kv_cache[:, 0].unbind(0))
         self.v_cache = list(self.kv_cache[:, 1].unbind(0))
-        self._kv = KVViews(self.k_cache, self.v_cache)
+
+    def kv(self, slot_start: int = 0, num_rows: int = 0) -> KVView:
+        row_ids = (torch.arange(num_rows, device=self.device).unsqueeze(1) if num_rows
+                   else None)
+        return KVView(self.k_cache, self.v_cache, slot_start, row_ids)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int], aux_layers: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, HiddenStates]:
-        """Right-padded batched prefill -> (last prompt token's logits [B, V], hidden states of
-        every prompt token [B, T, H]). Padding writes junk K/V past each prompt's end, which
-        decode overwrites before anything reads it."""
+    def prefill(self, prompts: list[list[int]], slot_start: int,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
+        """Right-padded batched prefill of slots slot_start.. -> (last prompt token's logits
+        [B, V], hidden states of every prompt token [B, T, H]). Padding writes junk K/V past each
+        prompt's end, which decode overwrites before anything reads it."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
         positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
         last = torch.tensor([[len(p) - 1] for p in prompts], device=self.device)
-        logits, hidden = self.model(ids.to(self.device), positions, self._kv(slots),
+        logits, hidden = self.model(ids.to(self.device), positions,
+                                    self.kv(slot_start, len(prompts)),
                                     causal_cache_meta(positions, width), logit_index=last,
                                     aux_layers=aux_layers)
         return logits[:, 0], hidden
 
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int], slots: list[int]
-               ) -> torch.Tensor:
-        """One token per request at its position; returns logits [B, V]."""
-        pos = torch.tensor(positions, device=self.device).unsqueeze(1)
-        ids = torch.tensor(token_ids, device=self.device).unsqueeze(1)
-        ctx_len = max(positions) + 1
-        logits, _ = self.step_model(ids, pos, self._kv(slots), causal_cache_meta(
-            pos, ctx_len, sees_all=min(positions) == ctx_len - 1))
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
+               sees_all: bool = False) -> torch.Tensor:
+        """token_ids, positions [B] of slots 0..B-1 -> logits [B, V]; ctx_len: a bucket above
+        every row's position. sees_all: the caller knows every row sits at ctx_len - 1 (no
+        padding): attention then runs without a mask."""
+        pos = positions.unsqueeze(1)
+        attn = (AttnMeta(None, cache_positions=pos, cache_len=ctx_len) if sees_all
+                else causal_cache_meta(pos, ctx_len))
+        logits, _ = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, pos.shape[0]), attn)
         return logits[:, 0]
 
-    @torch.inference_mode()
-    def verify(self, root_ids: list[int], root_pos: list[int], drafts: DraftBatch,
-               slots: list[int], aux_layers: tuple[int, ...] = ()
+    def verify(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
+               ctx_len: int, aux_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, HiddenStates]:
-        """One policy forward over [root, tree nodes] per request -> (logits [B, 1 + N, V],
-        hidden [B, 1 + N, H]). The root sits at its position; node i at root_pos + depth(i), its
-        K/V in scratch cell `tree_start(root_pos) + i` (past every row's context); each node sees
-        its row's context and its own ancestors."""
-        dev = self.device
+        """One forward over [root, tree nodes] per row -> (logits [B, 1 + N, V], hidden
+        [B, 1 + N, H]). The root sits at its position root_pos; node i at root_pos + depth(i),
+        its K/V in cell root_pos + 1 + i of its own slot; each node sees its row's context and
+        its own ancestors."""
         batch, num = drafts.tokens.shape
-        start = self.tree_start(root_pos)
-        root_id, root = torch.tensor([root_ids, root_pos], device=dev).unsqueeze(-1)  # [B, 1]
-        ids = torch.cat([root_id, drafts.tokens], 1)
+        ids = torch.cat([root_ids.unsqueeze(1), drafts.tokens], 1)
+        root = root_pos.unsqueeze(1)
         pos = torch.cat([root, root + drafts.depths], 1)
-        cache_pos = torch.cat([root, torch.arange(start, start + num, device=dev).expand(
-            batch, -1)], 1)
-        sees_context = (torch.arange(start, device=dev) <= root).unsqueeze(1)   # [B, 1, start]
-        sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=dev),
-                               drafts.ancestors], 1)                         # [B, 1 + N, N]
-        mask = torch.cat([sees_context.expand(-1, 1 + num, -1), sees_tree], 2)
-        return self.step_model(ids, pos, self._kv(slots), AttnMeta(mask, cache_positions=cache_pos),
-                               aux_layers=aux_layers)
+        cells = root + torch.arange(1 + num, device=root.device)
+        sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=root.device),
+                               drafts.ancestors], 1)                             # [B, 1 + N, N]
+        mask = tree_mask(root_pos, sees_tree, ctx_len)
+        return self.forward(ids, pos, self.kv(0, batch), AttnMeta(mask, cache_positions=cells),
+                            aux_layers=aux_layers)
 
-    @staticmethod
-    def tree_start(root_pos: list[int]) -> int:
-        """First scratch cell of a verify step's draft nodes (the same column for every row)."""
-        return max(root_pos) + 1
-
-    @torch.inference_mode()
-    def compact(self, slots: list[int], src: list[int], dst: list[int]) -> None:
-        """Moves accepted tree nodes' K/V from their scratch cells to their final positions."""
-        if not src:
+    def compact(self, root_pos: torch.Tensor, accepted: AcceptedBatch) -> None:
+        """Moves the accepted nodes' K/V from their tree cells to their sequence positions
+        (cell root_pos + 1 + j for the j-th path node); past the path a copy is a no-op."""
+        batch, depth = accepted.path.shape
+        if not depth:
             return
-        s, src_t, dst_t = torch.tensor([slots, src, dst], device=self.device)
-        self.kv_cache[:, :, s, :, dst_t] = self.kv_cache[:, :, s, :, src_t]
+        j = torch.arange(depth, device=root_pos.device)
+        dst = root_pos.unsqueeze(1) + 1 + j
+        src = torch.where(j < accepted.num_accepted.unsqueeze(1),
+                          root_pos.unsqueeze(1) + 1 + accepted.path.clamp_min(0), dst)
+        rows = torch.arange(batch, device=root_pos.device).unsqueeze(1).expand(-1, depth)
+        kv = self.kv_cache[:, :, :batch]
+        kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
+
+    def move(self, moves: list[SlotMove]) -> None:
+        move_slots(self.kv_cache, moves, slot_dim=2, cell_dim=4)

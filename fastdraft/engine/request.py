@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import torch
-
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.stats import SpecStats
 
@@ -35,7 +33,7 @@ class Request:
     params: SamplingParams
     stop_token_ids: frozenset[int]
     max_total_len: int               # prompt + generated tokens must fit the cache slot
-    generator: torch.Generator | None = None
+    seed: int = 0                    # int64 key of the request's random stream (engine/rng.py)
     slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,12 +1,17 @@
 """Continuous batching in plain Python: admit waiting requests into free KV slots, prefill them,
-then decode every running request one token per step; finished requests free their slot at once.
-No tensors here, so the policy is tested without a model."""
+then decode every running request each step; finished requests free their slot at once.
+
+Running requests always occupy slots 0..n-1, in slot order, so batch row b is slot b and the
+model reads the cache through views (no gathers), padded up to a batch bucket with free slots.
+When a request finishes, the request in the highest slot moves into the hole (one KV copy per
+finished request: `take_moves`). No tensors here, so the policy is tested without a model."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from fastdraft.engine.request import Request
 
@@ -18,40 +23,33 @@ class Phase(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
+    """PREFILL: newly admitted requests in slots slot_start..; DECODE: every running request,
+    request b in slot b."""
+
     phase: Phase
     requests: list[Request]
 
-
-class SlotAllocator:
-    """Hands out KV-cache slots lowest first, so a full batch tends to use consecutive slots (the
-    model then reads the cache through a view instead of a gather)."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots))
-
     @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def slot_start(self) -> int:
+        return self.requests[0].slot
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free KV slot")
-        self._free.sort()
-        return self._free.pop(0)
 
-    def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
-            raise RuntimeError(f"slot {slot} freed twice or out of range")
-        self._free.append(slot)
+class SlotMove(NamedTuple):
+    """A running request moved from slot src to the lower slot dst; its first num_cells cache
+    cells hold everything it has committed."""
+
+    src: int
+    dst: int
+    num_cells: int
 
 
 class Scheduler:
     def __init__(self, num_slots: int, max_prefill_tokens: int) -> None:
-        self.slots = SlotAllocator(num_slots)
+        self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []          # running[i].slot == i
+        self._moves: list[SlotMove] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -60,17 +58,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_free(self) -> int:
+        return self.num_slots - len(self.running)
+
     def schedule(self) -> ScheduledBatch:
         """Prefill first (new requests join the running batch as early as possible), else decode."""
         admitted: list[Request] = []
         # Prefill is padded to the longest prompt, so budget by admitted * longest length.
         longest = 0
-        while self.waiting and self.slots.num_free:
+        while self.waiting and len(self.running) + len(admitted) < self.num_slots:
             candidate_len = max(longest, len(self.waiting[0].prompt_token_ids))
             if admitted and (len(admitted) + 1) * candidate_len > self.max_prefill_tokens:
                 break
             request = self.waiting.popleft()
-            request.slot = self.slots.allocate()
+            request.slot = len(self.running) + len(admitted)
             admitted.append(request)
             longest = candidate_len
         if admitted:
@@ -83,11 +85,25 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, token_ids: list[list[int]],
                     logprobs: list[list[float]]) -> list[Request]:
         """Appends each request's new tokens (one when decoding, accepted + bonus when
-        speculating); returns the requests that finished (their slots are freed)."""
+        speculating); returns the requests that finished. Their slots are freed and filled
+        from the top (see take_moves)."""
         finished = [r for r, t, lp in zip(batch.requests, token_ids, logprobs) if r.extend(t, lp)]
         if finished:
             done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for request in finished:
-                self.slots.free(request.slot)
+            keep = [r for r in self.running if id(r) not in done]
+            num_kept = len(keep)
+            used = {r.slot for r in keep}
+            holes = [s for s in range(num_kept) if s not in used]
+            movers = [r for r in keep if r.slot >= num_kept]
+            for request, hole in zip(movers, holes, strict=True):
+                self._moves.append(SlotMove(request.slot, hole, request.num_tokens))
+                request.slot = hole
+            keep.sort(key=lambda r: r.slot)
+            self.running = keep
         return finished
+
+    def take_moves(self) -> list[SlotMove]:
+        """The slot moves since the last call: the engine copies each moved request's cache
+        state (policy KV, drafter state, sampling settings) before the next step."""
+        moves, self._moves = self._moves, []
+        return moves

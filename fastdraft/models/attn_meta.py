@@ -1,79 +1,109 @@
 """What the model needs to know about the KV cache and the attention pattern of one forward.
 
-The engine owns the cache tensors; the model only reads and writes them through a KVView. Shapes
-are static per batch bucket (no per-request Python lists), so a captured CUDA graph can replay them.
+The engine owns the cache tensors; the model reads and writes them through a KVView. Batch row b
+always uses cache slot `slot_start + b` (the engine keeps running requests in consecutive slots),
+so a read is a view, never a gather, and the same code serves eager steps and captured graphs.
+Masks are built from device tensors by the functions below: no host value enters a forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True, slots=True)
 class KVView:
-    """Slot KV cache: k[i], v[i] are layer i's [num_slots, num_kv_heads, max_seq_len, head_dim].
-
-    slot_ids: [B] long, the cache slot of each batch row. When the rows use the consecutive slots
-    slot_start .. slot_start+B-1, reads are views instead of gathers.
-    """
+    """Slot KV cache: k[i], v[i] are layer i's [num_slots, num_kv_heads, cache_len, head_dim];
+    batch row b reads and writes slot slot_start + b."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    slot_ids: torch.Tensor
-    slot_start: int | None = None
+    slot_start: int = 0
+    row_ids: torch.Tensor | None = None  # [B, 1] arange, built once per forward (not per layer)
 
-    @classmethod
-    def for_slots(cls, k: list[torch.Tensor], v: list[torch.Tensor], slots: list[int]
-                  ) -> KVView:
-        start = slots[0]
-        is_range = slots == list(range(start, start + len(slots)))
-        return cls(k, v, torch.tensor(slots, device=k[0].device), start if is_range else None)
-
-
-class KVViews:
-    """KVView.for_slots with memory: the running batch is the same step after step, so the view
-    (and its slot-id tensor) is built once per batch composition, not once per forward."""
-
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self.k, self.v = k, v
-        self._slots: tuple[int, ...] = ()
-        self._view: KVView | None = None
-
-    def __call__(self, slots: list[int]) -> KVView:
-        key = tuple(slots)
-        if key != self._slots or self._view is None:
-            self._view = KVView.for_slots(self.k, self.v, slots)
-            self._slots = key
-        return self._view
+    def rows(self, layer_idx: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s K and V of the batch's slots, as views [B, Hkv, cache_len, D]."""
+        end = self.slot_start + num_rows
+        return self.k[layer_idx][self.slot_start: end], self.v[layer_idx][self.slot_start: end]
 
 
 @dataclass(frozen=True, slots=True)
 class AttnMeta:
     """cache_positions: [B, T] long, where each new token's K/V is written in its slot (equals the
     RoPE position for plain prefill/decode; differs for draft-tree nodes).
-    mask: [B, T, ctx_len] bool, True where query t may attend cache position s (< ctx_len).
+    mask: [B, T, ctx_len] bool, True where query t may attend cache cell s (< ctx_len); None with
+    a cache read: every query sees all `cache_len` cells (a decode step whose rows all end at
+    the last cell: attention then runs without a mask, faster).
     Without a KV cache (training), mask is [B, T, T] over the batch's own tokens, or None = causal.
+    bias: the mask as an additive float bias [B, 1, T, ctx_len] (`with_bias`, once per forward:
+    attention would otherwise convert the bool mask in every layer).
     """
 
     mask: torch.Tensor | None
     cache_positions: torch.Tensor | None = None
-    sees_all: bool = False  # every query may attend every one of the ctx_len cells
+    cache_len: int | None = None
+    bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        assert self.mask is not None or self.cache_positions is None, "a cache read needs a mask"
+        assert self.mask is not None or self.cache_positions is None or self.cache_len, \
+            "a cache read needs a mask or cache_len"
 
     @property
     def ctx_len(self) -> int:
-        assert self.mask is not None
+        if self.mask is None:
+            assert self.cache_len is not None
+            return self.cache_len
         return self.mask.shape[-1]
 
+    def with_bias(self, dtype: torch.dtype) -> AttnMeta:
+        if self.mask is None or self.bias is not None:
+            return self
+        bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+        return replace(self, bias=bias.masked_fill_(~self.mask, float("-inf")).unsqueeze(1))
 
-def causal_cache_meta(positions: torch.Tensor, ctx_len: int, sees_all: bool = False) -> AttnMeta:
-    """Plain prefill/decode: token at position p sees cache positions 0..p of its own slot.
-    sees_all: the caller knows every row is one token at position ctx_len - 1 (a decode step of
-    equal-length rows), so the mask is all True and attention may skip it."""
+
+def causal_cache_meta(positions: torch.Tensor, ctx_len: int) -> AttnMeta:
+    """Plain prefill/decode: the token at position p sees cells 0..p of its own slot.
+    positions: [B, T]; ctx_len: cells read (a bucket >= every row's last position + 1)."""
     cols = torch.arange(ctx_len, device=positions.device)
-    return AttnMeta(mask=cols.view(1, 1, -1) <= positions.unsqueeze(-1), cache_positions=positions,
-                    sees_all=sees_all)
+    return AttnMeta(mask=cols.view(1, 1, -1) <= positions.unsqueeze(-1), cache_positions=positions)
+
+
+class TreeMask:
+    """Attention of draft-tree queries whose tree cells sit right after each row's context.
+
+    root_pos [B]: each row's last committed position (its context is cells first_cell..root_pos;
+    the drafter's cache starts at 1: position 0 has no (feature, token) pair); tree cell m of a
+    row is stored at root_pos + 1 + m (m < num_cells). Built once per step, called per level:
+    tree_ancestors [B, Q, num_cells] bool (query q may see tree cell m) -> mask [B, Q, ctx_len].
+    A row's cells depend only on that row, never on its neighbours."""
+
+    def __init__(self, root_pos: torch.Tensor, num_cells: int, ctx_len: int,
+                 first_cell: int = 0) -> None:
+        cols = torch.arange(ctx_len, device=root_pos.device)
+        rel = cols.unsqueeze(0) - root_pos.unsqueeze(1) - 1                      # [B, C]
+        self.context = ((rel < 0) & (cols >= first_cell)).unsqueeze(1)           # [B, 1, C]
+        self.in_tree = ((rel >= 0) & (rel < num_cells)).unsqueeze(1)
+        self.index = rel.clamp(0, max(num_cells - 1, 0)).unsqueeze(1)
+        self.num_cells = num_cells
+
+    def __call__(self, tree_ancestors: torch.Tensor) -> torch.Tensor:
+        if not self.num_cells:
+            return self.context.expand(-1, tree_ancestors.shape[1], -1)
+        index = self.index.expand(-1, tree_ancestors.shape[1], -1)
+        return self.context | (tree_ancestors.gather(2, index) & self.in_tree)
+
+
+def tree_mask(root_pos: torch.Tensor, tree_ancestors: torch.Tensor, ctx_len: int,
+              first_cell: int = 0) -> torch.Tensor:
+    """TreeMask for one set of queries: root_pos [B], tree_ancestors [B, Q, M] -> [B, Q, C]."""
+    return TreeMask(root_pos, tree_ancestors.shape[2], ctx_len, first_cell)(tree_ancestors)
+
+
+def causal_pairs_mask(positions: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """The drafter's causal mask: the pair at position p sees cells 1..p (cell 0 holds no
+    pair). positions [B, T] -> [B, T, ctx_len]."""
+    cols = torch.arange(ctx_len, device=positions.device)
+    return (cols >= 1) & (cols <= positions.unsqueeze(-1))

@@ -55,6 +55,8 @@ class CausalLM(nn.Module):
         """
         h = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
+        if attn is not None:
+            attn = attn.with_bias(h.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:

@@ -71,8 +71,11 @@ class Attention(nn.Module):
         """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]."""
         bsz, seq_len, _ = x.shape
         q, k, v = self._qkv(x, rope)
-        # A decode step whose rows all see their whole context needs no mask (faster kernels).
-        mask = None if attn is None or attn.sees_all else attn.mask
+        if attn is None:
+            mask = None
+        else:
+            mask = attn.bias if attn.bias is not None else (
+                None if attn.mask is None else attn.mask.unsqueeze(1))
         if kv is None:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -80,23 +83,23 @@ class Attention(nn.Module):
             keys, values = _write_and_read(kv, self.layer_idx, k, v, attn)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values,
-            attn_mask=None if mask is None else mask.unsqueeze(1),
-            is_causal=attn is None, enable_gqa=self.num_heads != self.num_kv_heads)
+            attn_mask=mask, is_causal=attn is None, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
 def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
                     attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stores the new K/V in each row's slot, returns [B, Hkv, ctx_len, D] keys and values."""
-    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
-    rows = kv.slot_ids.unsqueeze(1)
-    k_cache[rows, :, attn.cache_positions] = k.to(k_cache.dtype)
-    v_cache[rows, :, attn.cache_positions] = v.to(v_cache.dtype)
+    """Stores the new K/V in each row's slot, returns [B, Hkv, ctx_len, D] keys and values
+    (views of the cache: rows are consecutive slots)."""
+    k_cache, v_cache = kv.rows(layer_idx, k.shape[0])
+    rows = kv.row_ids if kv.row_ids is not None else torch.arange(
+        k.shape[0], device=k.device).unsqueeze(1)
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache[rows, :, attn.cache_positions] = k
+    v_cache[rows, :, attn.cache_positions] = v
     ctx_len = attn.ctx_len
-    if kv.slot_start is not None:
-        rows_slice = slice(kv.slot_start, kv.slot_start + k.shape[0])
-        return k_cache[rows_slice, :, :ctx_len], v_cache[rows_slice, :, :ctx_len]
-    return k_cache[kv.slot_ids, :, :ctx_len], v_cache[kv.slot_ids, :, :ctx_len]
+    return k_cache[:, :, :ctx_len], v_cache[:, :, :ctx_len]
 
 
 class MLP(nn.Module):

@@ -109,10 +109,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (angles.sin() * attention_scaling).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
-        """positions: [B, T] -> RopeTable for those positions."""
-        if int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is past the rotary table "
-                             f"({self.cos.shape[0]} positions): raise max_seq_len")
+        """positions: [B, T] -> RopeTable for those positions. No bounds check here (it would
+        wait on the device every forward): callers size the table (`max_positions`) and check
+        lengths once, on admission."""
         return RopeTable(self.cos[positions].unsqueeze(2).to(dtype),
                          self.sin[positions].unsqueeze(2).to(dtype))
 

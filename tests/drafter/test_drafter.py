@@ -14,13 +14,20 @@ from fastdraft.drafter.losses import (
     soft_ce,
     ttt_mask,
 )
-from fastdraft.drafter.warmup import WarmupConfig, _batches, first_drafted_pair, train_drafter
+from fastdraft.drafter.warmup import (
+    WarmupConfig,
+    _batches,
+    first_drafted_pair,
+    frequent_tokens,
+    train_drafter,
+)
+from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.request import Request
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
-from fastdraft.engine.spec.proposer import Committed
-from fastdraft.models import load_model
+from fastdraft.engine.step_io import SamplingMode, StepIO
+from fastdraft.models import HiddenStates, load_model
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -79,35 +86,43 @@ def test_training_reduces_loss_and_detaches_the_policy(policy, kind):
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_cached_drafting_equals_uncached_forward(policy, kind):
-    """The proposer's slot cache (prefill commit, then a step commit) reproduces the drafter's
-    plain causal forward over the same pairs: cache positions and masks line up."""
+    """The proposer's slot cache (prefill commit, a draft tree, then a step's commit) reproduces
+    the drafter's plain causal forward over the same pairs: cache cells and masks line up."""
     torch.manual_seed(1)
     drafter = build_drafter(kind, policy.config, 256).attach(policy).eval()
-    prop = EagleProposer(drafter=drafter, num_slots=3, cache_len=64,
-                         spec=SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6))
+    envelope = Envelope(max_seq_len=40, max_depth=3, max_topk=2, max_tree_nodes=6)
+    prop = EagleProposer(drafter=drafter, num_slots=3, envelope=envelope)
+    io = StepIO(3, envelope, policy.config.hidden_size, len(drafter.aux_layers),
+                policy.config.vocab_size, torch.device("cpu"), torch.float32)
     seq = torch.randint(3, 64, (1, 14))
     with torch.no_grad():
         _, hidden = policy(seq, torch.arange(14)[None], aux_layers=drafter.aux_layers)
         feats = drafter.target_features(hidden)
         _, ref_logits = drafter.step(feats[:, :-1], seq[:, 1:], torch.arange(1, 14)[None])
-    req = Request(0, seq[0, :9].tolist(), SamplingParams(greedy=True), frozenset(), 64)
-    req.slot = 2
-    aux = hidden.aux
-    prop.on_commit([Committed(req, seq[0, 1:10].tolist(), 1, hidden.final[0, :9],
-                              tuple(a[0, :9] for a in aux))])
-    torch.testing.assert_close(prop.root_logits[2], ref_logits[0, 8], atol=1e-4, rtol=0)
-    prop.propose([req], prop.spec)  # writes scratch cells that the next commit must overwrite
-    prop.on_commit([Committed(req, seq[0, 10:14].tolist(), 10, hidden.final[0, 9:13],
-                              tuple(a[0, 9:13] for a in aux))])
-    torch.testing.assert_close(prop.root_logits[2], ref_logits[0, 12], atol=1e-4, rtol=0)
-    assert prop.root_pos[2] == 13
+    req = Request(0, seq[0, :9].tolist(), SamplingParams(greedy=True), frozenset(), 40)
+    prefix = HiddenStates(hidden.final[:, :9], tuple(a[:, :9] for a in hidden.aux))
+    prop.on_prefill([req], prefix, 0, seq[0, 9:10])  # the first token: seq[9]
+    torch.testing.assert_close(prop.root_logits[0], ref_logits[0, 8], atol=1e-4, rtol=0)
+    io.load([int(seq[0, 9])], [9], batch=1)
+    cfg = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
+    ctx_len = 9 + 1 + envelope.tree_cells
+    with torch.no_grad():  # a draft tree writes scratch cells that the commit must overwrite
+        prop.draft(io, 1, ctx_len, cfg, SamplingMode.GREEDY)
+        io.accepted_ids[0] = seq[0, 10:14]      # three accepted tokens + the bonus
+        io.num_accepted[0] = 3
+        io.commit_final[0] = hidden.final[0, 9:13]
+        for buf, a in zip(io.commit_aux, hidden.aux):
+            buf[0] = a[0, 9:13]
+        prop.commit(io, 1, ctx_len)
+    torch.testing.assert_close(prop.root_logits[0], ref_logits[0, 12], atol=1e-4, rtol=0)
 
 
 def test_checkpoint_roundtrip_and_mismatch(policy, tmp_path):
     drafter = build_drafter("eagle3", policy.config, 64).attach(policy)
+    drafter.draft_token_ids = torch.tensor([1, 4, 9])
     save_drafter(drafter, tmp_path / "d")
     again = load_drafter(tmp_path / "d", policy, 64)
-    assert again.kind == "eagle3"
+    assert again.kind == "eagle3" and again.draft_token_ids.tolist() == [1, 4, 9]
     for (n, a), (_, b) in zip(drafter.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
     assert not any("embed" in n or "lm_head" in n for n in again.state_dict())
@@ -187,3 +202,13 @@ def test_argmax_weight_reaches_the_loss_and_is_checked(policy):
     assert WarmupConfig(argmax_weight=0.5).argmax_weight == 0.5
     with pytest.raises(ValueError, match="argmax_weight"):
         WarmupConfig(argmax_weight=1.5)
+
+
+def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
+    seqs = [[9, 9, 9, 1, 2, 2, 3], [9, 9, 2, 5, 5, 5]]
+    # answers start at score_from + 2: [1, 2, 2, 3] and [5, 5, 5, 2]
+    assert frequent_tokens(seqs, 2, score_from=[1, 0]).tolist() == [2, 5]
+    assert frequent_tokens(seqs, 10, score_from=[1, 0]).tolist() == [1, 2, 3, 5]
+    assert frequent_tokens(seqs, 1).tolist() == [9]
+    with pytest.raises(ValueError, match="draft_vocab"):
+        WarmupConfig(draft_vocab=0)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from fastdraft.engine.request import FinishReason, Request
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.scheduler import Phase, Scheduler, SlotAllocator
+from fastdraft.engine.scheduler import Phase, Scheduler, SlotMove
 
 
 def _req(i: int, prompt_len: int = 4, max_new: int = 3) -> Request:
@@ -14,15 +12,30 @@ def _req(i: int, prompt_len: int = 4, max_new: int = 3) -> Request:
                    frozenset({1}), max_total_len=64)
 
 
-def test_slots_lowest_first_and_no_double_free():
-    slots = SlotAllocator(3)
-    assert [slots.allocate() for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(RuntimeError):
-        slots.allocate()
-    slots.free(1)
-    with pytest.raises(RuntimeError):
-        slots.free(1)
-    assert slots.allocate() == 1
+def test_finished_requests_leave_the_running_batch_dense():
+    """Running requests always sit in slots 0..n-1: a hole left by a finished request is filled
+    by the request in the highest slot (one move per hole), and the batch stays in slot order."""
+    sched = Scheduler(num_slots=5, max_prefill_tokens=1000)
+    reqs = [_req(i, max_new=n) for i, n in enumerate([1, 9, 2, 9, 9])]
+    for r in reqs:
+        sched.add(r)
+    batch = sched.schedule()
+    assert [r.slot for r in batch.requests] == [0, 1, 2, 3, 4] and batch.slot_start == 0
+    assert sched.postprocess(batch, [[5]] * 5, [[0.0]] * 5) == [reqs[0]]
+    assert sched.take_moves() == [SlotMove(4, 0, 5)] and sched.take_moves() == []
+    assert [r.index for r in sched.running] == [4, 1, 2, 3]
+    assert [r.slot for r in sched.running] == [0, 1, 2, 3]
+    batch = sched.schedule()
+    assert [r.index for r in batch.requests] == [4, 1, 2, 3]
+    # request 2 (slot 2) finishes: request 3 (slot 3) moves down
+    sched.postprocess(batch, [[5]] * 4, [[0.0]] * 4)
+    assert sched.take_moves() == [SlotMove(3, 2, 6)]
+    assert [(r.index, r.slot) for r in sched.running] == [(4, 0), (1, 1), (3, 2)]
+    # the highest slot finishing moves nothing
+    batch = sched.schedule()
+    reqs[3].params = SamplingParams(max_new_tokens=3)
+    sched.postprocess(batch, [[5]] * 3, [[0.0]] * 3)
+    assert sched.take_moves() == [] and [r.slot for r in sched.running] == [0, 1]
 
 
 def test_prefill_then_decode_and_refill_freed_slots():
@@ -35,8 +48,9 @@ def test_prefill_then_decode_and_refill_freed_slots():
     assert [r.slot for r in reqs[:2]] == [0, 1]
     finished = sched.postprocess(batch, [[5], [5]], [[-0.1], [-0.2]])
     assert finished == [reqs[0]] and reqs[0].finish_reason is FinishReason.LENGTH
-    batch = sched.schedule()  # slot 0 is free again: the waiting request is prefilled at once
-    assert batch.phase is Phase.PREFILL and batch.requests == [reqs[2]] and reqs[2].slot == 0
+    assert sched.take_moves() == [SlotMove(1, 0, 5)]  # request 1 fills the hole in slot 0
+    batch = sched.schedule()  # a slot is free again: the waiting request is prefilled at once
+    assert batch.phase is Phase.PREFILL and batch.requests == [reqs[2]] and reqs[2].slot == 1
     sched.postprocess(batch, [[5]], [[0.0]])
     batch = sched.schedule()
     assert batch.phase is Phase.DECODE and batch.requests == [reqs[1], reqs[2]]
@@ -45,7 +59,7 @@ def test_prefill_then_decode_and_refill_freed_slots():
     assert finished == [reqs[1], reqs[2]]
     assert reqs[1].finish_reason is FinishReason.STOP and reqs[1].output_token_ids == [5, 1]
     assert reqs[2].output_token_ids == [5, 5]
-    assert not sched.has_work and sched.slots.num_free == 2
+    assert not sched.has_work and sched.num_free == 2
 
 
 def test_prefill_token_budget_splits_admission():

@@ -88,11 +88,11 @@ def select_tree(layout: DraftLayout, tokens: torch.Tensor, keys: torch.Tensor,
         order = torch.where(is_real, ranked, ranked + num_cand).sort(dim=1).values
         is_real = order < num_cand
         sel = order.remainder(num_cand)                                           # [B, M]
-        num_nodes = is_real.sum(dim=1).tolist()
+        num_nodes = is_real.sum(dim=1)
     else:
         sel = ranked.sort(dim=1).values
         is_real = None
-        num_nodes = [budget] * batch
+        num_nodes = torch.full((batch,), budget, dtype=torch.long, device=dev)
     scratch_of = torch.full((batch, num_cand), -1, dtype=torch.long, device=dev)
     num_scratch = expanded.shape[1]
     scratch_of.scatter_(1, expanded, torch.arange(num_scratch, device=dev).expand(batch, -1))

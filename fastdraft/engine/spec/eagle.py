@@ -1,13 +1,17 @@
-"""EAGLE proposer: EAGLE-2 style dynamic draft trees from a trained drafter, batched over requests.
+"""EAGLE proposer: EAGLE-2 style dynamic draft trees from a trained drafter, batched over requests
+and run inside the step (captured stages, no host sync).
 
 Per level, the `topk` best frontier nodes of every request run through the drafter in ONE forward
-(tree attention over the drafter's own slot cache), each proposes `topk` children, and the best
-`tokens_to_verify` nodes are kept. Greedy requests rank by cumulative draft log-probability and
-verify children as point masses. Sampling requests draw children WITHOUT replacement from q with
-the top-down Gumbel of Stochastic Beam Search (keys conditioned on their parent's key, so keys
-never increase along a path): the best-first top-M is then a tree whose kept children are always
-a prefix of their draw order, which recursive rejection sampling needs to stay lossless. (Naive
-cumulative perturbed keys are NOT lossless after pruning; tests/engine/spec shows the bias.)
+(tree attention over the drafter's own slot cache, the nodes' cells right after each row's
+context), each proposes `topk` children, and the best `tokens_to_verify` nodes are kept. Greedy
+requests rank by cumulative draft log-probability and verify children as point masses. Sampling
+requests draw children WITHOUT replacement from q with the top-down Gumbel of Stochastic Beam
+Search (keys conditioned on their parent's key, so keys never increase along a path): the
+best-first top-M is then a tree whose kept children are always a prefix of their draw order,
+which recursive rejection sampling needs to stay lossless. (Naive cumulative perturbed keys are
+NOT lossless after pruning; tests/engine/spec shows the bias.) A sampled node draws from q
+restricted to its `sample_top_m` most likely tokens and renormalised: any q is lossless as long
+as verification divides by the very q drawn from, and this one needs noise for m tokens, not V.
 """
 
 from __future__ import annotations
@@ -16,118 +20,144 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from fastdraft.drafter.base import Drafter
+from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.request import Request
+from fastdraft.engine.rng import Stream, draft_counter, uniform_keyed
 from fastdraft.engine.sampler import SamplingTensors
+from fastdraft.engine.scheduler import SlotMove
+from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.draft_head import DraftHead
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.probs import conditioned_gumbel_topk
-from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
-from fastdraft.models import AttnMeta, CausalLM, HiddenStates
-from fastdraft.models.attn_meta import KVViews
+from fastdraft.engine.spec.proposer import Proposer, register_proposer
+from fastdraft.engine.step_io import SamplingMode, StepIO
+from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
+from fastdraft.models.attn_meta import TreeMask, causal_pairs_mask
 from fastdraft.models.packing import pack_for_inference
 from fastdraft.models.rope import RopeTable
 
 
 class EagleProposer(Proposer):
     source_id = 0
+    drafts_on_device = True
 
-    def __init__(self, *, drafter: Drafter, num_slots: int, cache_len: int, spec: SpecConfig,
-                 compile: bool = False, **_: object) -> None:
+    def __init__(self, *, drafter: Drafter, num_slots: int, envelope: Envelope,
+                 compile: bool = False, draft_token_ids: torch.Tensor | None = None,
+                 sample_top_m: int = 64, **_: object) -> None:
         self.drafter = pack_for_inference(drafter)  # in place: published weights still load
-        self.draft_step = (torch.compile(drafter.step, dynamic=True) if compile
-                           else drafter.step)
+        self.advance = (torch.compile(drafter.advance, dynamic=True) if compile
+                        else drafter.advance)
+        self.head = DraftHead(drafter, draft_token_ids if draft_token_ids is not None
+                              else drafter.draft_token_ids)
         cfg = drafter.config
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.spec = spec
-        self.num_scratch = max(spec.depth - 1, 0) * spec.topk  # expanded nodes per tree
-        self.cache_len = cache_len + self.num_scratch + spec.depth + 2
-        if drafter.rope.cos.shape[0] < self.cache_len:
+        self.envelope, self.sample_top_m = envelope, sample_top_m
+        if drafter.rope.cos.shape[0] < envelope.rope_len:
             raise ValueError(f"drafter rotary table ({drafter.rope.cos.shape[0]}) is shorter "
-                             f"than its cache ({self.cache_len}): build it with more positions")
-        shape = (num_slots, cfg.num_key_value_heads, self.cache_len, cfg.head_dim)
+                             f"than the engine's positions ({envelope.rope_len})")
+        shape = (num_slots, cfg.num_key_value_heads, envelope.cache_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
         self.root_feat = torch.zeros(num_slots, cfg.hidden_size, dtype=self.dtype,
                                      device=self.device)
-        self.root_logits = torch.zeros(num_slots, cfg.vocab_size, device=self.device)
-        self.root_pos = [0] * num_slots
-        self._kv = KVViews(self.k, self.v)
+        self.root_logits = torch.zeros(num_slots, self.head.vocab_size, device=self.device)
         self._layouts: dict[tuple[int, int], DraftLayout] = {}
-        # Column indices for the committed-pairs mask; column 0 never holds a pair, so it gets
-        # an index no root position reaches.
-        self._cols = torch.arange(self.cache_len, device=self.device)
-        self._cols[0] = self.cache_len
 
     @property
     def aux_layers(self) -> tuple[int, ...]:  # type: ignore[override]
         return self.drafter.aux_layers
 
+    def kv(self, slot_start: int = 0) -> KVView:
+        return KVView(self.k, self.v, slot_start)
+
     # -------------------------------------------------------------- keep the cache in step
     @torch.inference_mode()
-    def on_commit(self, committed: list[Committed]) -> None:
-        """Runs the drafter over each request's new (policy feature, next token) pairs."""
-        if not committed:
-            return
-        lens = [len(c.token_ids) for c in committed]
-        width, dev = max(lens), self.device
-        final = _pad([c.final for c in committed])
-        aux = tuple(_pad(list(layer)) for layer in zip(*(c.aux for c in committed)))
-        # Padding rows write junk past the request's end, where nothing reads it.
-        top = self.cache_len - 1
-        ids, pos = torch.tensor(
-            [[c.token_ids + [0] * (width - len(c.token_ids)) for c in committed],
-             [[min(p, top) for p in range(c.start_pos, c.start_pos + width)] for c in committed]],
-            device=dev)
-        feats = self.drafter.target_features(HiddenStates(final.to(self.dtype), aux))
-        ctx_len = min(max(c.start_pos for c in committed) + width, self.cache_len)
-        mask = self._cols[:ctx_len] <= pos.unsqueeze(-1)
-        slot_list = [c.request.slot for c in committed]
-        out, logits = self.draft_step(feats, ids, pos, self._kv(slot_list),
-                                      AttnMeta(mask, cache_positions=pos))
-        rows, last, slots = torch.tensor([list(range(len(committed))), [n - 1 for n in lens],
-                                          slot_list], device=dev)
-        self.root_feat[slots] = out[rows, last]
-        self.root_logits[slots] = logits[rows, last].float()
-        for c, n in zip(committed, lens):
-            self.root_pos[c.request.slot] = c.start_pos + n - 1
+    def on_prefill(self, requests: list[Request], hidden: HiddenStates, slot_start: int,
+                   first_tokens: torch.Tensor) -> None:
+        """Runs the drafter over each prompt's (feature of token t, token t + 1) pairs, the last
+        one pairing the last prompt token with the first generated token."""
+        lens = [len(r.prompt_token_ids) for r in requests]
+        width = hidden.final.shape[1]
+        ids = torch.zeros(len(requests), width, dtype=torch.long)
+        for row, r in enumerate(requests):
+            ids[row, : lens[row] - 1] = torch.tensor(r.prompt_token_ids[1:], dtype=torch.long)
+        ids = ids.to(self.device)
+        last = torch.tensor(lens, device=self.device) - 1
+        rows = torch.arange(len(requests), device=self.device)
+        ids[rows, last] = first_tokens
+        pos = torch.arange(1, width + 1, device=self.device).expand(len(requests), -1)
+        feats = self.drafter.target_features(HiddenStates(
+            hidden.final.to(self.dtype), tuple(a.to(self.dtype) for a in hidden.aux)))
+        out = self.advance(feats, ids, pos, self.kv(slot_start),
+                           AttnMeta(causal_pairs_mask(pos, width + 1), cache_positions=pos))
+        self._set_roots(slice(slot_start, slot_start + len(requests)), out[rows, last])
+
+    def commit(self, io: StepIO, batch: int, ctx_len: int) -> None:
+        """The drafter over the accepted tokens + bonus of every row (padding past each row's
+        count writes cells the next step overwrites); logits only at each row's last token."""
+        width = io.commit_width
+        root_pos = io.root_pos[:batch]
+        pos = root_pos.unsqueeze(1) + 1 + torch.arange(width, device=self.device)
+        feats = self.drafter.target_features(HiddenStates(
+            io.commit_final[:batch], tuple(a[:batch] for a in io.commit_aux)))
+        out = self.advance(feats, io.accepted_ids[:batch], pos, self.kv(),
+                           AttnMeta(causal_pairs_mask(pos, ctx_len), cache_positions=pos))
+        last = io.num_accepted[:batch].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        self._set_roots(slice(0, batch), out.gather(1, last).squeeze(1))
+
+    def _set_roots(self, slots: slice, features: torch.Tensor) -> None:
+        self.root_feat[slots] = features
+        self.root_logits[slots] = self.head.logits(features).float()
+
+    def move(self, moves: list[SlotMove]) -> None:
+        for cache in (self.k[0], self.v[0]):
+            move_slots(cache, moves, slot_dim=0, cell_dim=2)
+        move_slots(self.root_feat, moves)
+        move_slots(self.root_logits, moves)
+
+    def refresh(self) -> None:
+        self.head.refresh()
 
     # ------------------------------------------------------------------------- draft trees
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
-        """EAGLE-2 expansion of every request at once, then the best tokens_to_verify nodes."""
-        batch, vocab = len(requests), self.root_logits.shape[1]
-        k = min(cfg.topk, vocab)
+    def draft_width(self, cfg: SpecConfig) -> int:
+        layout = self._layout(cfg.depth, min(cfg.topk, self.head.vocab_size))
+        return min(cfg.tokens_to_verify, layout.num_candidates)
+
+    def draft(self, io: StepIO, batch: int, ctx_len: int, cfg: SpecConfig,
+              mode: SamplingMode) -> None:
+        drafts = self.expand(io.root_pos[:batch], io.sampling.rows(batch), ctx_len, cfg, mode)
+        assert io.drafts is not None
+        io.drafts.store(drafts, batch, drafts.width)
+
+    def expand(self, root_pos: torch.Tensor, st: SamplingTensors, ctx_len: int,
+               cfg: SpecConfig, mode: SamplingMode) -> DraftBatch:
+        """EAGLE-2 expansion of rows 0..B-1 (root_pos [B]) at once, then the best
+        tokens_to_verify nodes."""
+        batch = root_pos.shape[0]
+        k = min(cfg.topk, self.head.vocab_size)
         layout = self._layout(cfg.depth, k)
-        dev, hidden = self.device, self.root_feat.shape[1]
-        slot_list = [r.slot for r in requests]
-        root_pos_list = [self.root_pos[s] for s in slot_list]
-        slots, root_pos = torch.tensor([slot_list, root_pos_list], device=dev)
-        root_pos = root_pos.unsqueeze(1)                                              # [B, 1]
-        sampling = _sampling_rows(requests, vocab, dev)
-        kv = self._kv(slot_list)
-        # Expanded node s keeps its K/V in cell start + s, past every row's committed pairs.
-        # mask[:, s] is what node s attends to: its row's committed pairs, then its scratch
-        # ancestors-or-self (the columns past start, filled in as the levels expand).
-        start, num_scratch = max(root_pos_list) + 1, layout.num_scratch
-        mask = torch.empty(batch, num_scratch, start + num_scratch, dtype=torch.bool, device=dev)
-        mask[:, :, :start] = (self._cols[:start] <= root_pos).unsqueeze(1)
-        scratch_anc = mask[:, :, start:]                                              # [B, S, S]
-        scratch_anc.copy_(layout.scratch_eye)                                            # self
-        cells = start + layout.scratch_cells                                          # [D-1, k]
+        hidden = self.root_feat.shape[1]
+        sampling = None if mode is SamplingMode.GREEDY else st
+        num_scratch = layout.num_scratch
+        # Expanded node s keeps its K/V in cell root_pos + 1 + s; scratch_anc[:, s] is its
+        # scratch ancestors-or-self, filled in as the levels expand.
+        scratch_anc = layout.scratch_eye.expand(batch, -1, -1).clone()               # [B, S, S]
         # Level l's nodes sit at root_pos + l: one rotary lookup serves every level.
         if cfg.depth > 1:
-            rope = self.drafter.rope(root_pos + layout.level_offsets, self.dtype)  # [B, D-1, 1, hd]
-
-        log_q, q = _draft_dist(self.root_logits[slots].unsqueeze(1), sampling)      # [B, 1, V]
-        tok, key = _children(log_q, layout.zero_key.expand(batch, -1), k, requests, sampling)
+            rope = self.drafter.rope(root_pos.unsqueeze(1) + layout.level_offsets, self.dtype)
+        draw = _Draw(self, sampling, mode, root_pos, k)
+        tok, key, q = draw(self.root_logits[:batch].unsqueeze(1),
+                           layout.zero_key.expand(batch, -1), level=0)
         tokens, keys, q_rows = [tok.flatten(1)], [key.flatten(1)], [q]
         orders = []  # per expanded level: which of its candidates were expanded [B, k]
-        out = self.root_feat[slots].unsqueeze(1)                     # the root's features
+        out = self.root_feat[:batch].unsqueeze(1)                     # the root's features
+        kv = self.kv()
+        masks = TreeMask(root_pos, num_scratch, ctx_len, first_cell=1)
         for level in range(1, cfg.depth):
             new = slice((level - 1) * k, level * k)
             if level == 1:  # the root's children, already in key order
@@ -143,18 +173,18 @@ class EagleProposer(Proposer):
                 scratch_anc[:, new] |= scratch_anc[:, prev].gather(
                     1, parent.expand(-1, -1, num_scratch))
             orders.append(order)
-            out, logits = self.draft_step(
-                feat, f_tok, RopeTable(rope.cos[:, level - 1: level],
-                                       rope.sin[:, level - 1: level]), kv,
-                AttnMeta(mask[:, new], cache_positions=cells[level - 1].expand(batch, -1)))
-            log_q, q = _draft_dist(logits, sampling)                                # [B, k, V]
-            tok, key = _children(log_q, f_key, k, requests, sampling)              # [B, k, k]
+            cells = root_pos.unsqueeze(1) + 1 + layout.scratch_cells[level - 1]      # [B, k]
+            mask = masks(scratch_anc[:, new])
+            out = self.advance(feat, f_tok, RopeTable(rope.cos[:, level - 1: level],
+                                                      rope.sin[:, level - 1: level]), kv,
+                               AttnMeta(mask, cache_positions=cells))
+            tok, key, q = draw(self.head.logits(out), f_key, level)                # [B, k, k]
             tokens.append(tok.flatten(1))
             keys.append(key.flatten(1))
             q_rows.append(q)
         # Global candidate index of every expanded node, in scratch order.
         expanded = (torch.cat(orders, 1) + layout.scratch_level_start if orders
-                    else torch.zeros(batch, 0, dtype=torch.long, device=dev))
+                    else torch.zeros(batch, 0, dtype=torch.long, device=self.device))
         drafts, node_scratch = select_tree(layout, torch.cat(tokens, 1), torch.cat(keys, 1),
                                            expanded, scratch_anc, cfg.tokens_to_verify,
                                            self.source_id, may_pad=sampling is not None)
@@ -162,6 +192,7 @@ class EagleProposer(Proposer):
             return drafts
         # Sampled rows: the q each parent's children were drawn from (root row, then per node
         # the q of its expansion; rows of unexpanded nodes are unused).
+        vocab = q_rows[0].shape[-1]
         if num_scratch:
             node_q = torch.cat(q_rows[1:], 1).gather(
                 1, node_scratch.clamp_min(0).unsqueeze(-1).expand(-1, -1, vocab))
@@ -178,73 +209,65 @@ class EagleProposer(Proposer):
         return self._layouts[key]
 
 
+class _Draw:
+    """Children of a level's parents: drafter logits [B, K, Vd] + parent keys [B, K] ->
+    (target token ids, keys) [B, K, k] in key order, and the target-vocabulary q [B, K, V]
+    they were drawn from (None when every row is greedy). Greedy rows: the top-k of q, key =
+    parent key + log q. Sampling rows: k draws without replacement from q (over its top m),
+    keyed by the top-down Gumbel conditioned on the parent key."""
+
+    def __init__(self, proposer: EagleProposer, sampling: SamplingTensors | None,
+                 mode: SamplingMode, root_pos: torch.Tensor, k: int) -> None:
+        self.head, self.sampling, self.mode = proposer.head, sampling, mode
+        self.k = k
+        self.top_m = min(max(proposer.sample_top_m, k), proposer.head.vocab_size)
+        self.vocab = proposer.drafter.config.vocab_size
+        self.keys = None if sampling is None else sampling.key(Stream.DRAFT)
+        self.root_cells = root_pos.view(-1, 1, 1)
+
+    def __call__(self, logits: torch.Tensor, parent_key: torch.Tensor, level: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        k, st = self.k, self.sampling
+        if st is None:  # greedy: log-softmax is finite, so keys are too
+            top = (parent_key.unsqueeze(-1) + logits.float().log_softmax(-1)).topk(k, dim=-1)
+            return self.head.to_target(top.indices), top.values, None
+        scaled, filtered = st.scale_and_filter(logits, self.mode.needs_filter)
+        if self.mode.needs_filter:  # greedy rows rank children by their unfiltered q
+            filtered = torch.where(st.is_greedy.view(-1, 1, 1), scaled, filtered)
+        q_raw = filtered.softmax(-1)                                              # [B, K, m]
+        if self.top_m < q_raw.shape[-1]:
+            q_raw, cand = q_raw.topk(self.top_m, dim=-1)
+        else:  # every token is a candidate
+            cand = torch.arange(q_raw.shape[-1], device=q_raw.device).expand_as(q_raw)
+        q_top = q_raw / q_raw.sum(-1, keepdim=True)
+        # log of the very q that verification divides by: q = 0 (filtered or underflowed)
+        # gives -inf, so such a child is never drawn.
+        log_q = q_top.log()
+        batch, parents, m = q_top.shape
+        index = torch.arange(parents * m, device=logits.device).view(parents, m)
+        counters = draft_counter(self.root_cells, level, index)
+        noise = -uniform_keyed(self.keys, counters).log().float()                    # Exp(1)
+        picked, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
+        greedy = (parent_key.unsqueeze(-1) + q_raw.log()).topk(k, dim=-1)
+        is_greedy = st.is_greedy.view(-1, 1, 1)
+        picked = torch.where(is_greedy, greedy.indices, picked)
+        keys = torch.where(is_greedy, greedy.values, keys)
+        target_cand = self.head.to_target(cand)
+        q_full = torch.zeros(batch, parents, self.vocab, device=logits.device).scatter_(
+            -1, target_cand, q_top)
+        # Children of a non-candidate (-inf key) come out -inf too (see probs._condition).
+        return target_cand.gather(-1, picked), keys, q_full
+
+
 @register_proposer("eagle")
 def create_eagle_proposer(*, model: CausalLM, drafter_path: str | Path | None, num_slots: int,
-                          cache_len: int, spec: SpecConfig, compile: bool = False,
+                          envelope: Envelope, compile: bool = False,
                           **_: object) -> EagleProposer:
     """Loads the drafter (checked against the policy: a mismatch fails at engine start)."""
     if drafter_path is None:
         raise ValueError("spec method 'eagle' needs drafter=PATH: train one with "
                          "`fastdraft drafter warmup --policy DIR`")
     from fastdraft.drafter import load_drafter
-    positions = cache_len + max(spec.depth - 1, 0) * spec.topk + spec.depth + 2
-    drafter = load_drafter(drafter_path, model, max_positions=positions)
-    return EagleProposer(drafter=drafter, num_slots=num_slots, cache_len=cache_len, spec=spec,
+    drafter = load_drafter(drafter_path, model, max_positions=envelope.rope_len)
+    return EagleProposer(drafter=drafter, num_slots=num_slots, envelope=envelope,
                          compile=compile)
-
-
-def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    """[n_b, H] rows -> [B, max n_b, H], zero-padded (a view when there is a single row)."""
-    return rows[0].unsqueeze(0) if len(rows) == 1 else pad_sequence(rows, batch_first=True)
-
-
-def _sampling_rows(requests: list[Request], vocab: int, device: torch.device
-                   ) -> SamplingTensors | None:
-    """Per-row sampling settings, or None when every request is greedy (the fast path)."""
-    if all(r.params.is_greedy for r in requests):
-        return None
-    return SamplingTensors.build([r.params for r in requests], vocab, device)
-
-
-def _draft_dist(logits: torch.Tensor, sampling: SamplingTensors | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, K, V] drafter logits -> (log q, q or None). Greedy rows rank children by the plain
-    softmax (their trees are verified by argmax); sampling rows draw from q processed with the
-    row's own temperature / top-k / top-p, and q is what verification divides by."""
-    if sampling is None:
-        return logits.float().log_softmax(-1), None
-    scaled, filtered = sampling.scale_and_filter(logits)   # greedy rows: temperature 1
-    if sampling.needs_filter:  # greedy rows rank children by their unfiltered q
-        filtered = torch.where(sampling.is_greedy.view(-1, 1, 1), scaled, filtered)
-    q = filtered.softmax(-1)   # filtered-out tokens: -inf, so q = 0 exactly
-    # log of the very q that verification divides by: q = 0 (filtered or underflowed) gives
-    # -inf, so such a child is never drawn.
-    return q.log(), q
-
-
-def _children(log_q: torch.Tensor, parent_key: torch.Tensor, k: int, requests: list[Request],
-              sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_q [B, K, V], parent_key [B, K] -> (tokens, keys) [B, K, k] in key order. Greedy rows:
-    the top-k of q, key = parent key + log q. Sampling rows: k draws without replacement from q,
-    in draw order, keyed by the top-down Gumbel conditioned on the parent key."""
-    if sampling is None:  # greedy: log-softmax is finite, so keys are too
-        top = (parent_key.unsqueeze(-1) + log_q).topk(k, dim=-1)
-        return top.indices, top.values
-    # Exp(1) noise: seeded requests from their own generator, the others from the global RNG.
-    generators = [r.generator for r in requests]
-    noise = torch.empty_like(log_q)
-    if None in generators:
-        noise.exponential_()
-    for b, gen in enumerate(generators):
-        if gen is not None:
-            noise[b].exponential_(generator=gen)
-    if not sampling.any_greedy:
-        tokens, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
-    else:
-        greedy = (parent_key.unsqueeze(-1) + log_q).topk(k, dim=-1)
-        tokens, keys = conditioned_gumbel_topk(log_q, parent_key, k, noise)
-        is_greedy = sampling.is_greedy.view(-1, 1, 1)
-        tokens = torch.where(is_greedy, greedy.indices, tokens)
-        keys = torch.where(is_greedy, greedy.values, keys)
-    # Children of a non-candidate (-inf key) come out -inf too (see probs._condition).
-    return tokens, keys

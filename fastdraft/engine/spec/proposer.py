@@ -1,15 +1,18 @@
 """The proposer contract between the engine and every draft source, and their registry.
 
-Per step the engine calls `propose` (a DraftBatch: one tree per running request), verifies them with
-the policy, then hands each request's newly committed tokens to `on_commit` together with the
-policy's hidden states of the tokens before them, so a drafter can keep its own cache in step.
+Two kinds of proposer:
+- host proposers (model-free ones: suffix) build each request's tree in plain Python with
+  `propose`; the engine copies the trees into the step's static buffers;
+- device proposers (`drafts_on_device`, EAGLE) draft inside the step, as captured stages:
+  `draft` writes the step's DraftBuffers, `commit` runs the drafter over what the policy
+  accepted (with the policy's hidden states, left in the step's buffers by verify).
+Both see every request's new tokens (`on_tokens`) and its prefill (`on_prefill`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,18 +20,10 @@ from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """Tokens a request just committed (prefill: prompt[1:] + first token; a spec step: the
-    accepted path + the bonus token). final/aux: the policy's hidden states of the token BEFORE
-    each new token, [m, H] each; token_ids[0] sits at position start_pos."""
-
-    request: Request
-    token_ids: list[int]
-    start_pos: int
-    final: torch.Tensor
-    aux: tuple[torch.Tensor, ...]
+if TYPE_CHECKING:
+    from fastdraft.engine.scheduler import SlotMove
+    from fastdraft.engine.step_io import SamplingMode, StepIO
+    from fastdraft.models import HiddenStates
 
 
 class Proposer:
@@ -36,18 +31,44 @@ class Proposer:
 
     source_id = 0
     aux_layers: tuple[int, ...] = ()
+    drafts_on_device = False
 
-    def on_commit(self, committed: list[Committed]) -> None:
-        """Called after prefill and after every verify step (finished requests excluded)."""
+    def on_prefill(self, requests: list[Request], hidden: HiddenStates, slot_start: int,
+                   first_tokens: torch.Tensor) -> None:
+        """Device work after a prefill of slots slot_start..: hidden [m, T, H] of the prompts,
+        first_tokens [m] (finished requests included: their slots are simply freed)."""
+
+    def on_tokens(self, request: Request, new_token_ids: list[int]) -> None:
+        """Host: tokens a still-running request just appended (prefill: its first token)."""
 
     def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
+        """Host proposers: one tree per request (width <= cfg.tokens_to_verify)."""
         return DraftBatch.empty(len(requests))
+
+    def draft_width(self, cfg: SpecConfig) -> int:
+        """Nodes per row of the trees this proposer sends to the policy."""
+        return cfg.tokens_to_verify
+
+    def draft(self, io: StepIO, batch: int, ctx_len: int, cfg: SpecConfig,
+              mode: SamplingMode) -> None:
+        """Device proposers: a captured stage that writes io.drafts for rows 0..batch-1."""
+        raise NotImplementedError
+
+    def commit(self, io: StepIO, batch: int, ctx_len: int) -> None:
+        """Device proposers: a captured stage after verify (io.accepted_ids, io.num_accepted,
+        io.commit_final / commit_aux hold what the policy accepted and its hidden states)."""
 
     def on_finish(self, request: Request) -> None:
         """Called once when a request finishes (frees per-request state)."""
 
     def advance_step(self, step: int) -> None:
         """An RL step ended (model-free sources slide their window)."""
+
+    def move(self, moves: list[SlotMove]) -> None:
+        """Running requests changed slots (scheduler compaction): move per-slot state."""
+
+    def refresh(self) -> None:
+        """The policy's weights changed in place (anything derived from them is rebuilt)."""
 
 
 ProposerFactory = Callable[..., Proposer]

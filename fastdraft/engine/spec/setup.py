@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import PROPOSERS, Proposer
 from fastdraft.models import CausalLM
@@ -18,10 +19,10 @@ def known_methods() -> list[str]:
 
 
 def make_proposer(spec: SpecConfig, model: CausalLM, drafter: str | Path | None,
-                  num_slots: int, cache_len: int, compile: bool = False) -> Proposer:
+                  num_slots: int, envelope: Envelope, compile: bool = False) -> Proposer:
     """Every registered factory takes the same keywords and ignores what it does not need."""
     if not spec.enabled:
         return Proposer()
     known_methods()  # registers the built-in proposers
     return PROPOSERS[spec.method](model=model, drafter_path=drafter, num_slots=num_slots,
-                                  cache_len=cache_len, spec=spec, compile=compile)
+                                  envelope=envelope, spec=spec, compile=compile)

@@ -1,5 +1,6 @@
 """The engine-facing wrapper of the model-free suffix drafter: feeds it each request's prompt and
-committed tokens, and every finished rollout as a source for later rollouts of the same prompt."""
+committed tokens, and every finished rollout as a source for later rollouts of the same prompt.
+A host proposer: trees are built in plain Python before the step and copied in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.proposer import Committed, Proposer, register_proposer
+from fastdraft.engine.spec.proposer import Proposer, register_proposer
 from fastdraft.engine.spec.suffix import SuffixConfig, SuffixDrafter
 from fastdraft.engine.spec.tree import DraftTree
 from fastdraft.models import CausalLM
@@ -30,23 +31,18 @@ class SuffixProposer(Proposer):
     def _key(request: Request) -> int:
         return id(request)
 
-    def on_commit(self, committed: list[Committed]) -> None:
-        for c in committed:
-            key = self._key(c.request)
-            if key not in self._started:
-                self.drafter.start(key, tuple(c.request.prompt_token_ids),
-                                   c.request.prompt_token_ids)
-                self._started.add(key)
-                # Prefill commits prompt[1:] + the first token; only the latter is new text.
-                self.drafter.extend(key, c.request.output_token_ids)
-            else:
-                self.drafter.extend(key, c.token_ids)
+    def on_tokens(self, request: Request, new_token_ids: list[int]) -> None:
+        key = self._key(request)
+        if key not in self._started:  # its prefill: the prompt, then the first token
+            self.drafter.start(key, tuple(request.prompt_token_ids), request.prompt_token_ids)
+            self._started.add(key)
+        self.drafter.extend(key, new_token_ids)
 
     def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
         return DraftBatch.from_trees(
             [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
              if self._key(r) in self._started else DraftTree.empty() for r in requests],
-            device=self.device, source_id=self.source_id)
+            device="cpu", source_id=self.source_id)
 
     def on_finish(self, request: Request) -> None:
         key = self._key(request)

@@ -14,38 +14,40 @@ Whatever happens at one child, the token that u finally emits (an accepted child
 token drawn from the residual) is distributed exactly as the p u started with; by induction
 the whole appended sequence is distributed as the policy's own continuation.
 
-Uniforms come from `generator` when given (a seeded request), else from the global RNG. Each
-call draws the same number of values (one uniform per node, one noise row for the bonus token),
-so a seeded request's stream does not depend on which path was accepted.
+This module is the per-tree REFERENCE, written for clarity over plain lists; the engine runs
+spec/accept.py, which does the same for a whole batch in tensor ops (tested equal token for
+token from the same uniforms). Uniforms: one per node and one for the bonus token (drawn by
+inverse CDF), all drawn up front, so the number of draws does not depend on the path accepted.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastdraft.engine.sampler import SamplingTensors, sample_greedy
+from fastdraft.engine.sampler import inverse_cdf
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.spec.batch import DraftBatch
+from fastdraft.engine.spec.accept import MIN_MASS as _MIN_MASS
 from fastdraft.engine.spec.probs import policy_logprobs, processed_probs
-from fastdraft.engine.spec.tree import Accepted, DraftTree, children_lists
-
-# A residual whose mass is below this is rounding noise of p ~= q (rejection then had
-# probability ~0); dividing by it would amplify noise into a distribution, so keep p instead.
-_MIN_MASS = 1e-12
+from fastdraft.engine.spec.tree import Accepted, DraftTree
 
 
 def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> Accepted:
+           generator: torch.Generator | None = None, uniforms: list[float] | None = None
+           ) -> Accepted:
     """tree with N nodes, target_logits [N + 1, V] (row 0 = after the root, row i + 1 = after
-    node i) -> the accepted path and one bonus token, with the policy's logprobs."""
+    node i) -> the accepted path and one bonus token, with the policy's logprobs.
+    uniforms: N + 1 values in [0, 1) (one per node, then the bonus token's); default: drawn
+    from `generator` (or the global RNG)."""
     n = tree.num_nodes
     if target_logits.dim() != 2 or target_logits.shape[0] != n + 1:
         raise ValueError(f"target_logits must be [num_nodes + 1, V] = [{n + 1}, V], "
                          f"got {tuple(target_logits.shape)}")
+    if uniforms is None:
+        uniforms = _uniforms(n + 1, generator)
     if params.is_greedy:
         path, bonus = _walk_greedy(tree, target_logits)
     else:
-        path, bonus = _walk_sampled(tree, target_logits, params, generator)
+        path, bonus = _walk_sampled(tree, target_logits, params, uniforms)
     token_ids = [int(t) for t in tree.tokens[path].tolist()] + [bonus]
     rows = torch.tensor([0] + [i + 1 for i in path], device=target_logits.device)
     logprobs = policy_logprobs(target_logits[rows], params).gather(
@@ -79,31 +81,8 @@ def argmax_path(tokens: list[int], parents: list[int], best: list[int]) -> list[
     return path[::-1]
 
 
-def verify_greedy_batch(drafts: DraftBatch, target_logits: torch.Tensor) -> list[Accepted]:
-    """Greedy verification of a whole batch (what `verify` does per tree): three tensor ops,
-    then `argmax_path` over plain lists per row.
-
-    drafts: B trees padded to N nodes, target_logits [B, 1 + N, V] -> per row the longest path
-    whose tokens are the policy's argmaxes, then the argmax after it.
-    """
-    # Plain greedy's own pick and logprob, row by row: ties and rounding match it exactly.
-    best, best_logprob = sample_greedy(target_logits.flatten(0, 1))        # [B * (1 + N)]
-    best_l = best.view(target_logits.shape[:2]).tolist()
-    logprob_l = best_logprob.view(target_logits.shape[:2]).tolist()
-    tokens_l, parents_l = drafts.tokens.tolist(), drafts.parents.tolist()
-    out = []
-    for b, n in enumerate(drafts.num_nodes):
-        node_ids = argmax_path(tokens_l[b][:n], parents_l[b][:n], best_l[b])
-        # Row 0 is the root; node j's logits are row j + 1. A path node's token is the argmax
-        # of the row before it, so tokens and logprobs all come from the argmax rows.
-        rows = [0, *(j + 1 for j in node_ids)]
-        out.append(Accepted(node_ids, [best_l[b][r] for r in rows],
-                            [logprob_l[b][r] for r in rows]))
-    return out
-
-
 def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], int]:
+                  uniforms: list[float]) -> tuple[list[int], int]:
     """-> (accepted node ids, bonus token) by recursive rejection sampling (module doc)."""
     n = tree.num_nodes
     probs = processed_probs(target_logits, params)                 # [N + 1, V]
@@ -114,7 +93,6 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
         if tree.parent_probs is None:
             raise ValueError("a tree with sampled children needs parent_probs")
         q_all = tree.parent_probs.to(device=probs.device, dtype=probs.dtype)
-    uniforms = _uniforms(n, generator)                             # one per node, drawn up front
     # p(x) and q(x) of every node's token under its parent's *untouched* rows: the first child
     # tried at a node needs nothing else, so the common accept-first-child path stays scalar.
     idx_rows = tree.parents.to(probs.device) + 1
@@ -123,7 +101,9 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
     q_first = q_all[idx_rows, idx_tok].tolist() if (n and q_all is not None) else [0.0] * n
     path, row, residual = _rejection_walk(tree.children(), tree.tokens.tolist(), sampled,
                                           p_first, q_first, uniforms, probs, q_all)
-    return path, _sample_token(probs[row] if residual is None else residual, generator)
+    bonus = inverse_cdf((probs[row] if residual is None else residual).unsqueeze(0),
+                        torch.tensor([uniforms[n]], dtype=torch.float64, device=probs.device))
+    return path, int(bonus)
 
 
 def _rejection_walk(children: list[list[int]], tokens: list[int], sampled: list[bool],
@@ -168,66 +148,6 @@ def _rejection_walk(children: list[list[int]], tokens: list[int], sampled: list[
         row = accepted + 1
 
 
-def verify_batch(drafts: DraftBatch, target_logits: torch.Tensor,
-                 params: list[SamplingParams], generators: list[torch.Generator | None]
-                 ) -> list[Accepted]:
-    """`verify` for every row of a batch, any mix of greedy and sampling requests, with the same
-    result token for token: the tensor work (p, logprobs, p(x) and q(x) of every node) runs once
-    for the batch, then each row walks its tree over plain lists. Row b draws from generators[b]
-    (or the global RNG) exactly what `verify` would draw, in the same order.
-
-    drafts: B trees padded to N nodes, target_logits [B, 1 + N, V] -> one Accepted per row.
-    """
-    batch, vocab = target_logits.shape[0], target_logits.shape[-1]
-    dev = target_logits.device
-    st = SamplingTensors.build(params, vocab, dev)
-    scaled, filtered = st.scale_and_filter(target_logits)            # [B, 1 + N, V]
-    logprobs = scaled.log_softmax(-1)                  # the policy's own (greedy rows: T = 1)
-    probs = filtered.softmax(-1)                       # what plain sampling draws from
-    best = scaled.argmax(-1).tolist() if st.any_greedy else None
-    q_all = drafts.parent_probs
-    if q_all is not None:
-        q_all = q_all.to(device=dev, dtype=probs.dtype)
-    tokens_l, parents_l = drafts.tokens.tolist(), drafts.parents.tolist()
-    sampled_l = None if drafts.is_sampled is None else drafts.is_sampled.tolist()
-    # p(x) and q(x) of every node's token under its parent's untouched row, for all rows at once.
-    rows = torch.arange(batch, device=dev).unsqueeze(1)
-    parent_rows = drafts.parents.to(dev) + 1
-    node_tokens = drafts.tokens.to(dev)
-    p_first = probs[rows, parent_rows, node_tokens].tolist()
-    q_first = None if q_all is None else q_all[rows, parent_rows, node_tokens].tolist()
-    paths, token_ids = [], []
-    for b, (sp, generator) in enumerate(zip(params, generators)):
-        n = drafts.num_nodes[b]
-        tokens, parents = tokens_l[b][:n], parents_l[b][:n]
-        if sp.is_greedy:
-            assert best is not None
-            path = argmax_path(tokens, parents, best[b])
-            bonus = best[b][path[-1] + 1 if path else 0]
-        else:
-            sampled = ([False] * (n + 1) if sampled_l is None
-                       else [bool(x) for x in sampled_l[b][: n + 1]])
-            if any(sampled) and q_all is None:
-                raise ValueError("a tree with sampled children needs parent_probs")
-            uniforms = _uniforms(n, generator)
-            path, row, residual = _rejection_walk(
-                children_lists(parents), tokens, sampled, p_first[b][:n],
-                q_first[b][:n] if q_first is not None else [0.0] * n, uniforms, probs[b],
-                None if q_all is None else q_all[b])
-            bonus = _sample_token(probs[b, row] if residual is None else residual, generator)
-        paths.append(path)
-        token_ids.append([tokens[i] for i in path] + [bonus])
-    # Every appended token's logprob in one gather: row 0 is the root, node i's row is i + 1.
-    index = [(b, r, t) for b, (path, toks) in enumerate(zip(paths, token_ids))
-             for r, t in zip([0, *(i + 1 for i in path)], toks)]
-    gathered = logprobs[tuple(torch.tensor(index, device=dev).T)].tolist()
-    out, start = [], 0
-    for path, toks in zip(paths, token_ids):
-        out.append(Accepted(path, toks, gathered[start: start + len(toks)]))
-        start += len(toks)
-    return out
-
-
 def _accepts_sampled(u: float, px: float, qx: float) -> bool:
     """Accept a child drawn from q with probability min(1, p(x) / q(x)); u ~ U[0, 1), q(x) > 0."""
     return u * qx < px
@@ -261,15 +181,5 @@ def _reject_chosen(p: torch.Tensor, x: int) -> torch.Tensor:
 
 
 def _uniforms(n: int, generator: torch.Generator | None) -> list[float]:
-    if n == 0:
-        return []
     device = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(n, generator=generator, device=device, dtype=torch.float64).tolist()
-
-
-def _sample_token(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from p [V] by the exponential race (argmax p / E), as the plain sampler does."""
-    device = generator.device if generator is not None else p.device
-    noise = torch.empty(p.shape, device=device, dtype=p.dtype).exponential_(generator=generator)
-    # E = 0 would turn a zero-probability token into 0 / 0 = NaN; the floor removes that case.
-    return int((p / noise.to(p.device).clamp_min_(1e-30)).argmax())

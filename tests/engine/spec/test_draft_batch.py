@@ -1,6 +1,6 @@
 """The batched draft-tree path against slow per-tree references: padding round trips, the static
-EAGLE-2 candidate layout, the vectorised best-first pick, and batched greedy and sampled
-verification."""
+buffers a step's trees live in, the static EAGLE-2 candidate layout and the vectorised
+best-first pick (batched verification: tests/engine/spec/test_accept.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import random
 import pytest
 import torch
 
-from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.spec.batch import DraftBatch
+from fastdraft.engine.spec.batch import DraftBatch, DraftBuffers
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.tree import ROOT, DraftTree
-from fastdraft.engine.spec.verify import verify, verify_batch, verify_greedy_batch
-
-GREEDY = SamplingParams(greedy=True)
 
 
 def random_tree(rng: random.Random, num_nodes: int, vocab: int) -> DraftTree:
@@ -31,11 +27,9 @@ def random_tree(rng: random.Random, num_nodes: int, vocab: int) -> DraftTree:
     return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents), None, None)
 
 
-def test_from_trees_round_trips_and_pads_with_self_only_nodes() -> None:
-    rng = random.Random(0)
-    trees = [random_tree(rng, n, 6) for n in (3, 0, 5)]
-    batch = DraftBatch.from_trees(trees)
-    assert batch.width == 5 and batch.num_nodes == [3, 0, 5]
+def assert_rows_hold(batch: DraftBatch, trees: list[DraftTree]) -> None:
+    """Row b of the batch is trees[b]; its padding attends only to itself, off the root."""
+    width = batch.width
     for b, tree in enumerate(trees):
         back = batch.tree(b)
         assert back.tokens.tolist() == tree.tokens.tolist()
@@ -43,10 +37,27 @@ def test_from_trees_round_trips_and_pads_with_self_only_nodes() -> None:
         n = tree.num_nodes
         assert batch.depths[b, :n].tolist() == tree.depth_list()
         assert torch.equal(batch.ancestors[b, :n, :n], tree.ancestor_mask())
-        # Padding attends only to itself and hangs off the root.
-        assert torch.equal(batch.ancestors[b, n:, n:], torch.eye(5 - n, dtype=torch.bool))
+        assert torch.equal(batch.ancestors[b, n:, n:], torch.eye(width - n, dtype=torch.bool))
         assert not batch.ancestors[b, n:, :n].any()
         assert (batch.parents[b, n:] == ROOT).all()
+
+
+def test_from_trees_round_trips_and_pads_with_self_only_nodes() -> None:
+    rng = random.Random(0)
+    trees = [random_tree(rng, n, 6) for n in (3, 0, 5)]
+    batch = DraftBatch.from_trees(trees)
+    assert batch.width == 5 and batch.num_nodes.tolist() == [3, 0, 5]
+    assert_rows_hold(batch, trees)
+
+
+def test_buffers_store_pads_rows_and_nodes_and_round_trips() -> None:
+    rng = random.Random(1)
+    buffers = DraftBuffers(max_batch=4, max_nodes=6, vocab_size=5, device=torch.device("cpu"))
+    for trees in ([random_tree(rng, n, 5) for n in (4, 6)], [random_tree(rng, 2, 5)]):
+        view = buffers.store(DraftBatch.from_trees(trees), batch=3, width=6)
+        assert view.tokens.shape == (3, 6) and view.num_nodes.tolist()[2] == 0
+        assert_rows_hold(view, trees)
+        assert view.parent_probs is None
 
 
 def test_layout_numbers_levels_and_parents() -> None:
@@ -137,68 +148,3 @@ def test_select_tree_is_the_best_first_tree(seed) -> None:
     assert torch.equal(drafts.ancestors[0, :n, :n], tree.ancestor_mask())
     scratch_of = {g: s for s, g in enumerate(expanded[0].tolist())}
     assert node_scratch[0, :n].tolist() == [scratch_of.get(g, -1) for g in want]
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_batched_greedy_verify_equals_per_tree_verify(seed) -> None:
-    rng = random.Random(seed)
-    vocab = rng.choice([3, 6, 10])
-    trees = [random_tree(rng, rng.randint(0, 12), vocab) for _ in range(rng.randint(1, 4))]
-    batch = DraftBatch.from_trees(trees)
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(trees), 1 + batch.width, vocab, generator=gen)
-    # Make some draft paths right so long accepts happen.
-    for b, tree in enumerate(trees):
-        for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
-            if rng.random() < 0.7:
-                logits[b, parent + 1, tok] += 10.0
-    got = verify_greedy_batch(batch, logits)
-    for b, tree in enumerate(trees):
-        want = verify(tree, logits[b, : 1 + tree.num_nodes], GREEDY)
-        assert got[b].node_ids == want.node_ids
-        assert got[b].token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got[b].logprobs), torch.tensor(want.logprobs))
-
-
-ROW_PARAMS = [GREEDY, SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.8),
-              SamplingParams(temperature=1.3, top_k=3)]
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_batched_verify_equals_per_tree_verify_token_for_token(seed) -> None:
-    """Any mix of greedy and sampling rows, sampled and chosen children, seeded and unseeded
-    rows: the batch gives each row exactly what `verify` gives it, from the same random draws."""
-    rng = random.Random(seed)
-    vocab = rng.choice([3, 6, 10])
-    num_rows = rng.randint(1, 5)
-    gen = torch.Generator().manual_seed(seed)
-    trees = []
-    for _ in range(num_rows):
-        shape = random_tree(rng, rng.randint(0, 10), vocab)
-        n = shape.num_nodes
-        q = torch.randn(n + 1, vocab, generator=gen).softmax(-1)
-        q[torch.rand(n + 1, vocab, generator=gen) < 0.15] = 0.0  # some zero-probability drafts
-        q = q / q.sum(-1, keepdim=True).clamp_min(1e-9)
-        trees.append(DraftTree(shape.tokens, shape.parents, q,
-                               torch.rand(n + 1, generator=gen) < 0.6))
-    batch = DraftBatch.from_trees(trees)
-    logits = torch.randn(num_rows, 1 + batch.width, vocab, generator=gen) * 2
-    for b, tree in enumerate(trees):  # make some drafts likely, so long accepts happen
-        for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
-            if rng.random() < 0.5:
-                logits[b, parent + 1, tok] += 4.0
-    params = [rng.choice(ROW_PARAMS) for _ in range(num_rows)]
-    seeds = [rng.choice([None, rng.randrange(1000)]) for _ in range(num_rows)]
-
-    def generators() -> list[torch.Generator | None]:
-        return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-
-    torch.manual_seed(seed)  # the unseeded rows draw from the global RNG, in row order
-    want = [verify(tree, logits[b, : 1 + tree.num_nodes], params[b], g)
-            for b, (tree, g) in enumerate(zip(trees, generators()))]
-    torch.manual_seed(seed)
-    got = verify_batch(batch, logits, params, generators())
-    for g, w in zip(got, want):
-        assert g.node_ids == w.node_ids
-        assert g.token_ids == w.token_ids
-        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs))

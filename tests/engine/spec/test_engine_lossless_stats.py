@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
-from fastdraft.drafter import build_drafter, save_drafter
-from fastdraft.engine.spec import verify as verify_mod
+from fastdraft.drafter import build_drafter, load_drafter, save_drafter
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.spec import accept as accept_mod
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.spec.probs import processed_probs
 from fastdraft.models import load_model
 from tests.conftest import make_tiny_checkpoint
@@ -45,21 +47,35 @@ def _expected(hf, params: SamplingParams) -> dict:
     return exact_sequence_probs(next_probs, LENGTH, VOCAB)
 
 
-def _sample(path, params: SamplingParams) -> dict:
+def _sample(path, params: SamplingParams, restricted: bool = False) -> dict:
     spec = SpecConfig(method="eagle", depth=3, topk=3, tokens_to_verify=6)
-    engine = RolloutEngine(path, max_batch_size=512, max_seq_len=16, spec=spec,
-                           drafter=path / "drafter")
+    proposer = None
+    if restricted:  # a draft vocabulary of 6 of the 8 tokens, children drawn from q's top 3
+        policy = load_model(path)
+        drafter = load_drafter(path / "drafter", policy, 64)
+        proposer = EagleProposer(drafter=drafter, num_slots=512, sample_top_m=3,
+                                 envelope=Envelope.for_spec(16, spec),
+                                 draft_token_ids=torch.tensor([0, 2, 3, 5, 6, 7]))
+        engine = RolloutEngine.from_model(policy, max_batch_size=512, max_seq_len=16,
+                                          spec=spec, proposer=proposer)
+    else:
+        engine = RolloutEngine(path, max_batch_size=512, max_seq_len=16, spec=spec,
+                               drafter=path / "drafter")
     outs = engine.generate([PROMPT] * NUM_SAMPLES, params)
     assert engine.last_stats.num_accepted > 0.2 * NUM_SAMPLES  # the draft path is exercised
     return counts_of([o.token_ids for o in outs], LENGTH)
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.6, 1.0), (1.0, 0.8)])
-def test_engine_sampling_is_the_policy_distribution(tiny_vocab, temperature, top_p):
+@pytest.mark.parametrize("temperature, top_p, restricted", [
+    (1.0, 1.0, False), (0.6, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True)])
+def test_engine_sampling_is_the_policy_distribution(tiny_vocab, temperature, top_p,
+                                                    restricted):
+    """restricted: drafts over a draft vocabulary and q's top m only (any q is lossless when
+    verification divides by the q drawn from)."""
     path, hf = tiny_vocab
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=SEED,
                             max_new_tokens=LENGTH, ignore_eos=True)
-    pvalue = chi_square_pvalue(_sample(path, params), _expected(hf, params))
+    pvalue = chi_square_pvalue(_sample(path, params, restricted), _expected(hf, params))
     assert pvalue > 0.01
 
 
@@ -67,12 +83,12 @@ def test_engine_test_detects_a_broken_acceptance_rule(tiny_vocab, monkeypatch):
     """Forgetting to remove q's mass from the residual after a rejection (residual = p) must be
     caught by the same test at the same sample size."""
     path, hf = tiny_vocab
-    monkeypatch.setattr(verify_mod, "_reject_sampled", lambda p, q, x: (p, _drop(q, x)))
+    real = accept_mod._reject_rows
+
+    def broken(pq, x, sampled, keep_p):
+        out = real(pq, x, sampled, keep_p).clone()
+        out[:, 0] = pq[:, 0]  # p is not updated after a rejection
+        return out
+    monkeypatch.setattr(accept_mod, "_reject_rows", broken)
     params = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)
     assert chi_square_pvalue(_sample(path, params), _expected(hf, params)) < 1e-4
-
-
-def _drop(q: torch.Tensor, x: int) -> torch.Tensor:
-    q = q.clone()
-    q[x] = 0
-    return q / q.sum() if q.sum() > 0 else q

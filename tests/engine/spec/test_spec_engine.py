@@ -90,6 +90,36 @@ def test_greedy_eagle_equals_plain_greedy(tiny_checkpoint, random_drafter, depth
     assert all(c.spec is not None and c.spec.num_verify_steps > 0 for c in outs)
 
 
+def test_greedy_eagle_over_a_draft_vocabulary_equals_plain_greedy(tiny_checkpoint,
+                                                                   random_drafter):
+    """A drafter that scores only half the tokens (its draft vocabulary, saved with it) still
+    gives exactly plain greedy decoding; its drafts only ever hold draft-vocabulary tokens."""
+    from fastdraft.drafter import load_drafter, save_drafter
+    path, _ = tiny_checkpoint
+    policy = load_model(path)
+    drafter = load_drafter(random_drafter, policy, 256)
+    drafter.draft_token_ids = torch.arange(0, 64, 2)
+    subset_dir = path.parent / "drafter-subset"
+    save_drafter(drafter, subset_dir)
+    prompts = _prompts(6, seed=4)
+    params = SamplingParams(greedy=True, max_new_tokens=20)
+    plain = RolloutEngine(path, max_batch_size=4, max_seq_len=96).generate(prompts, params)
+    spec = SpecConfig(method="eagle", depth=4, topk=2, tokens_to_verify=8)
+    engine = RolloutEngine(path, max_batch_size=4, max_seq_len=96, spec=spec,
+                           drafter=subset_dir)
+    assert engine.proposer.head.vocab_size == 32  # type: ignore[attr-defined]
+    drafted = []
+    real_store = engine.io.drafts.store  # type: ignore[union-attr]
+
+    def store(drafts, batch, width):
+        drafted.append(drafts.tokens.clone())
+        return real_store(drafts, batch, width)
+    engine.io.drafts.store = store  # type: ignore[union-attr]
+    outs = engine.generate(prompts, params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    assert drafted and all(bool((t % 2 == 0).all()) for t in drafted)
+
+
 def test_sampling_eagle_runs_and_reports_policy_logprobs(tiny_checkpoint, random_drafter):
     path, hf = tiny_checkpoint
     spec = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)

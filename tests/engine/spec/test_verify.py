@@ -126,7 +126,7 @@ def test_greedy_sd_equals_plain_greedy_decoding(params: SamplingParams) -> None:
     st = SamplingTensors.build([params], model.vocab, torch.device("cpu"))
     plain, plain_lp, ctx = [], [], ()
     for _ in range(length):
-        tok, lp = sample(model.logits(ctx).unsqueeze(0), st, [None])
+        tok, lp = sample(model.logits(ctx).unsqueeze(0), st, None)
         plain.append(int(tok))
         plain_lp.append(float(lp))
         ctx = (*ctx, int(tok))
