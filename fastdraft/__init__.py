@@ -1,6 +1,20 @@
-"""fastdraft: lossless speculative rollouts for RL post-training."""
+"""fastdraft: lossless speculative rollouts for RL post-training.
 
+    from fastdraft import RolloutEngine, SamplingParams, SpecConfig     # the rollout engine
+    from fastdraft import RunConfig, load_recipe, run_recipe            # the GRPO main job
+"""
+
+from fastdraft.config import RunConfig, load_recipe
 from fastdraft.engine import Completion, FinishReason, RolloutEngine, SamplingParams
+from fastdraft.engine.buckets import BucketPlan
+from fastdraft.engine.spec.config import SpecConfig
 
 __version__ = "0.1.0"
-__all__ = ["Completion", "FinishReason", "RolloutEngine", "SamplingParams", "__version__"]
+__all__ = ["BucketPlan", "Completion", "FinishReason", "RolloutEngine", "RunConfig",
+           "SamplingParams", "SpecConfig", "__version__", "load_recipe", "run_recipe"]
+
+
+def run_recipe(*args, **kwargs):
+    """fastdraft.rl.run.run_recipe: one GRPO run from a RunConfig (see `fastdraft run`)."""
+    from fastdraft.rl.run import run_recipe as run
+    return run(*args, **kwargs)

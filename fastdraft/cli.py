@@ -1,5 +1,7 @@
-"""`fastdraft <command>`: bootstrap | generate | bench. Each command registers its arguments and its
-runner by name; the heavy imports happen inside the runner so `--help` stays fast."""
+"""`fastdraft <command>`: run | plot | bootstrap | generate | drafter | bench. Each command
+registers its arguments and its runner by name; the heavy imports happen inside the runner so
+`--help` stays fast. User errors (ValueError, FileNotFoundError; the lossless gate's too) print
+one line that says what to change."""
 
 from __future__ import annotations
 
@@ -75,7 +77,13 @@ def run_generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine", "spec", "gpu"], help="what to benchmark")
+    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe"],
+                   help="what to benchmark")
+    p.add_argument("recipe_args", nargs="*", default=[],
+                   help="recipe: RECIPE.yaml [section.key=value ...] (default: "
+                        "recipes/tiny-grpo.yaml)")
+    p.add_argument("--out-dir", type=Path, default=Path("runs/bench-recipe"),
+                   help="recipe: where the two runs go")
     _cache_arg(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
@@ -116,9 +124,21 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
-    model_dir = resolve_model(args.model, args.cache_dir)
+    if args.which == "recipe":
+        return _bench_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
-    batch_sizes = tuple(int(b) for b in sizes.split(","))
+    batch_sizes = _positive_ints(sizes, "--batch-sizes")
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--repeats, --num-prompts and --max-new-tokens must be >= 1")
+    if args.which == "spec":  # checked before a drafter warm-up (minutes) can start
+        from fastdraft.bench.spec_bench import METHODS
+        unknown = set(args.methods.split(",")) - set(METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+        for t in args.temperatures.split(","):
+            if float(t) < 0:
+                raise ValueError(f"--temperatures: {t} < 0")
+    model_dir = resolve_model(args.model, args.cache_dir)
     prompts = [ids for ids, _, _ in heldout_prompts(model_dir, args.num_prompts, seed=1)]
     print(f"{len(prompts)} held-out prompts, answers up to {args.max_new_tokens} tokens; each row "
           "rolls all of them out, batch_size at a time")
@@ -134,15 +154,49 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_recipe(args: argparse.Namespace) -> int:
+    from fastdraft.bench.recipe_bench import run_recipe_bench
+    recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
+    if overrides and "=" not in overrides[0]:
+        recipe, overrides = Path(overrides[0]), overrides[1:]
+    out = run_recipe_bench(recipe, overrides, args.out_dir, args.json, args.cache_dir)
+    print(f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f}; step_time_ratio "
+          f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
+          f"on {out['on']['rollout_share']:.0%}")
+    print(f"reward first 5 / last 5: off {out['off']['reward_first5']:.3f} / "
+          f"{out['off']['reward_last5']:.3f}, on {out['on']['reward_first5']:.3f} / "
+          f"{out['on']['reward_last5']:.3f}; mean over the steps on - off "
+          f"{out['reward_mean_diff']:+.3f} (two training trajectories: not a paired test)")
+    law = out["law_check"]
+    if "reward_diff" in law:
+        print(f"same policy, {law['num_seeds']} seeds each: reward on - off "
+              f"{law['reward_diff']:+.4f} (95% {law['reward_diff_95'][0]:+.4f} .. "
+              f"{law['reward_diff_95'][1]:+.4f}), answer length on - off "
+              f"{law['length_diff']:+.2f} (95% {law['length_diff_95'][0]:+.2f} .. "
+              f"{law['length_diff_95'][1]:+.2f})")
+    print(f"plot: {out['plot']}")
+    return 0
+
+
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must all be >= 1, got {text!r}")
+    return values
+
+
 def _bench_gpu(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     import torch
 
     from fastdraft.bench.gpu_bench import GpuBenchConfig, run_gpu_bench
     device = args.device if args.device != "cpu" else "cuda"
     cfg = GpuBenchConfig(shape=args.shape,
-                         batch_sizes=tuple(int(b) for b in (args.batch_sizes or "1,8,64").split(
-                             ",")),
-                         contexts=tuple(int(c) for c in args.contexts.split(",")),
+                         batch_sizes=_positive_ints(args.batch_sizes or "1,8,64",
+                                                    "--batch-sizes"),
+                         contexts=_positive_ints(args.contexts, "--contexts"),
                          repeats=args.repeats, compile=not args.no_compile, device=device,
                          dtype=dtype or torch.bfloat16)
     if not torch.cuda.is_available():
@@ -195,7 +249,7 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
 def run_drafter_cmd(args: argparse.Namespace) -> int:
     from fastdraft.demo import default_drafter_dir, prompt_ids, resolve_model
     from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
-    policy = resolve_model(args.policy, args.cache_dir)
+    policy = resolve_model(args.policy, args.cache_dir, flag="--policy")
     out = args.out or default_drafter_dir(policy, args.kind)
     given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
              "argmax_weight": args.argmax_weight, "draft_vocab": args.draft_vocab}
@@ -211,6 +265,40 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", type=Path, help="a YAML recipe (bundled: recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6 "
+                   "rollout.spec.method=none")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where metrics, checkpoints and the dashboard go (default: runs/NAME)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest complete checkpoint")
+    _cache_arg(p)
+
+
+@command("run", "train a policy with GRPO on (speculative) rollouts, as a recipe says")(_run_args)
+def run_recipe_cmd(args: argparse.Namespace) -> int:
+    from fastdraft.config import load_recipe
+    from fastdraft.rl.run import run_recipe
+    cfg = load_recipe(args.recipe, args.overrides)
+    run_dir = args.run_dir or Path("runs") / cfg.name
+    run_recipe(cfg, run_dir, resume=args.resume, cache_dir=args.cache_dir)
+    print(f"run directory: {run_dir} (metrics.jsonl, dashboard.png, checkpoints/, wandb/)")
+    return 0
+
+
+def _plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, help="a run directory (with metrics.jsonl)")
+    p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/dashboard.png")
+
+
+@command("plot", "redraw a run's dashboard PNG from its metrics.jsonl")(_plot_args)
+def plot_cmd(args: argparse.Namespace) -> int:
+    from fastdraft.rl.dashboard import draw_dashboard
+    print(f"dashboard: {draw_dashboard(args.run_dir, args.out)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fastdraft",
@@ -218,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also follow the options (`run R --run-dir D actor.lr=1e-4`).
+    trailing = next((n for n in ("overrides", "recipe_args") if hasattr(args, n)), None)
+    if extra and trailing and all("=" in e and e[0] != "-" for e in extra):
+        setattr(args, trailing, [*getattr(args, trailing), *extra])
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     start = time.perf_counter()
     try:
         code = COMMANDS[args.command][1](args)

@@ -4,25 +4,31 @@ checkpoint + local prompt file."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
 from fastdraft.engine import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from fastdraft.drafter.warmup import WarmupConfig
 from fastdraft.rl.tasks import Problem, get_task
 
 HELDOUT_SEED_OFFSET = 10_000  # demo/bench prompts come from seeds the bootstrap never trains on
 
 
-def resolve_model(model: Path | None, cache_dir: Path | None) -> Path:
-    """An explicit checkpoint dir, else the bootstrap policy (trained and cached if missing)."""
+def resolve_model(model: Path | None, cache_dir: Path | None, flag: str = "--model") -> Path:
+    """An explicit checkpoint dir, else the bootstrap policy (trained and cached if missing).
+    flag: the option the user gave the directory with (named in the error)."""
     if model is not None:
         if not (model / "config.json").is_file():
-            raise FileNotFoundError(f"{model}/config.json not found: --model takes an HF "
+            raise FileNotFoundError(f"{model}/config.json not found: {flag} takes an HF "
                                     "checkpoint directory")
         return model
     from fastdraft.bootstrap.run import run_bootstrap
@@ -37,16 +43,22 @@ def default_drafter_dir(policy_dir: Path, kind: str) -> Path:
     return policy_dir.parent / f"drafter-{kind}"
 
 
-def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagle1") -> Path:
+def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagle1",
+                   warmup: WarmupConfig | None = None) -> Path:
     """An explicit drafter dir, else the default one beside the policy: warmed up if missing, and
     warmed up again if fastdraft warmed it up itself with other settings than today's defaults
     (a bench must not measure an outdated drafter silently). One that `fastdraft drafter warmup`
-    put there with the user's own settings is used as it is, never overwritten."""
+    put there with the user's own settings is used as it is, never overwritten.
+    warmup: other settings than the defaults (a recipe's short warm-up): cached in a directory
+    of their own, named by their digest."""
     if drafter_dir is not None:
         return drafter_dir
     from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
-    out = default_drafter_dir(policy_dir, kind)
-    cfg = WarmupConfig(kind=kind)
+    cfg = warmup or WarmupConfig(kind=kind)
+    out = default_drafter_dir(policy_dir, cfg.kind)
+    if cfg != WarmupConfig(kind=cfg.kind):
+        digest = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()
+        out = out.with_name(f"{out.name}-{digest[:10]}")
     config_file = out / "drafter_config.json"
     if config_file.is_file():
         meta = json.loads(config_file.read_text())

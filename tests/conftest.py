@@ -45,3 +45,18 @@ def random_drafter(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter")
     save_drafter(drafter, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def char_policy(tmp_path_factory):
+    """A tiny untrained policy with the bootstrap's char tokenizer: enough for the RL loop."""
+    from fastdraft.bootstrap.tokenizer import (
+        DEFAULT_ALPHABET,
+        build_char_tokenizer,
+        vocab_size_for,
+    )
+    path = tmp_path_factory.mktemp("char-policy")
+    make_tiny_checkpoint(path, vocab_size=vocab_size_for(DEFAULT_ALPHABET), eos_token_id=1,
+                         pad_token_id=0, max_position_embeddings=512)
+    build_char_tokenizer(path)
+    return path

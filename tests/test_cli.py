@@ -23,3 +23,36 @@ def test_generate_demo_on_the_bootstrap_policy(capsys):
     assert main(["generate", "--num-prompts", "4", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert "4 completions" in out and "reward mean" in out
+
+
+def test_bench_arguments_are_checked_before_any_work(capsys):
+    from fastdraft.cli import main
+    assert main(["bench", "spec", "--batch-sizes", "0"]) == 2
+    assert "--batch-sizes must all be >= 1" in capsys.readouterr().err
+    assert main(["bench", "spec", "--methods", "none,medusa"]) == 2
+    assert "unknown ['medusa']" in capsys.readouterr().err
+
+
+def test_drafter_warmup_names_its_own_flag(tmp_path, capsys):
+    from fastdraft.cli import main
+    assert main(["drafter", "warmup", "--policy", str(tmp_path)]) == 2
+    assert "--policy takes an HF checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_misspelled_recipe_key_is_a_one_line_error(tmp_path, capsys):
+    from fastdraft.cli import main
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  group_sise: 4\n")
+    assert main(["run", str(recipe)]) == 2
+    assert "did you mean 'rollout.group_size'" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_the_options_and_are_checked_there_too(tmp_path, capsys):
+    from fastdraft.cli import main
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  group_size: 4\n")
+    assert main(["run", str(recipe), "--run-dir", str(tmp_path / "run"), "actor.lrr=1"]) == 2
+    assert "did you mean 'actor.lr'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", str(recipe), "--run-dir", str(tmp_path / "run"), "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

@@ -195,7 +195,7 @@ def _spec_engine(cfg: GpuBenchConfig, policy: Any, strategy: tuple[int, int, int
                              compile=cfg.compile, draft_token_ids=token_ids)
     engine = RolloutEngine.from_model(policy, max_batch_size=max_batch, max_seq_len=1024,
                                       spec=envelope_spec, compile=cfg.compile,
-                                      proposer=proposer)
+                                      proposer=proposer, share_weights=True)
     engine.spec = SpecConfig(method="eagle", depth=depth, topk=topk, tokens_to_verify=ttv)
     return engine
 
@@ -318,7 +318,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, json_path: str | Path | None = None,
 
     if "decode" in parts or "generate" in parts:
         engine = RolloutEngine.from_model(policy, max_batch_size=max(cfg.batch_sizes),
-                                          max_seq_len=max_ctx + 8, compile=cfg.compile)
+                                          max_seq_len=max_ctx + 8, compile=cfg.compile,
+                                          share_weights=True)
         if "generate" in parts:
             payload["generate"] = _generate_row(cfg, engine, bandwidth, weight_bytes)
             print_table([payload["generate"]], list(payload["generate"]))

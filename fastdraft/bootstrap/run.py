@@ -5,13 +5,15 @@ tokenizer and generation_config.json, plus ``report.json``); the digest covers t
 and the format version, so a changed spec never reuses a stale policy. Everything is built in a
 hidden temp dir next to it and renamed into place only when complete, so a killed run never
 leaves a directory that looks like a finished bootstrap.
+
+Training is deterministic (``determinism.py``): the report's ``weights_digest`` identifies the
+trained weights bit for bit, and a forced rebuild says whether it reproduced the previous one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -20,21 +22,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoTokenizer
 
+from fastdraft.bootstrap.determinism import deterministic_cpu, runtime_info, weights_digest
 from fastdraft.bootstrap.policy import (
     EOS_ID,
     BootstrapSpec,
-    batch_stream,
     encode_prompt,
-    init_weights,
-    model_config,
-    train_policy,
+    heldout_problems,
+    train_bootstrap,
 )
 from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.models import CausalLM, save_model
+from fastdraft.models import save_model
 from fastdraft.rl.tasks import Problem, Task, get_task, length_percentiles
 from fastdraft.utils.atomic import publish_dir
 
@@ -54,7 +54,9 @@ def default_cache_dir() -> Path:
 @dataclass(frozen=True, kw_only=True)
 class BootstrapReport:
     """What a bootstrap produced and how good it is. Lengths are in tokens of the generated
-    answer, EOS included (reference: solution chars + 1 for EOS), on the held-out prompts."""
+    answer, EOS included (reference: solution chars + 1 for EOS), on the held-out prompts.
+    ``weights_digest`` (``determinism.weights_digest``) is reproducible for the same spec and
+    seed given the same ``torch_version``, ``cpu_capability`` and CPU model."""
 
     policy_dir: Path
     task: str
@@ -62,6 +64,9 @@ class BootstrapReport:
     spec_digest: str
     spec: dict[str, Any]
     num_params: int
+    weights_digest: str
+    torch_version: str
+    cpu_capability: str
     train_steps: int
     train_tokens: int
     final_loss: float
@@ -126,6 +131,7 @@ def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int 
     if not force and (cached := load_cached(final)) is not None:
         log(f"bootstrap policy (cached): {cached.policy_dir}")
         return cached
+    previous = load_cached(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
@@ -134,8 +140,23 @@ def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"bootstrap policy: {report.policy_dir}")
+    if previous is not None:
+        log(_compare_builds(previous, report))
+    log(f"bootstrap policy: {report.policy_dir} (weights {report.weights_digest})")
     return report
+
+
+def _compare_builds(previous: BootstrapReport, new: BootstrapReport) -> str:
+    """One line: did a forced rebuild reproduce the previous build's weights bit for bit?"""
+    if previous.weights_digest == new.weights_digest:
+        return f"bootstrap: rebuilt weights {new.weights_digest} equal the previous build's"
+    env = [f"{name} {getattr(previous, name)} -> {getattr(new, name)}"
+           for name in ("torch_version", "cpu_capability", "torch_threads")
+           if getattr(previous, name) != getattr(new, name)]
+    return (f"bootstrap: WARNING rebuilt weights {new.weights_digest} differ from the previous "
+            f"build's {previous.weights_digest} ("
+            + ("; ".join(env) if env else "same torch, CPU dispatch and threads: "
+               "another CPU model or MKL path, or a determinism bug") + ")")
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -154,17 +175,10 @@ def _build(tmp: Path, final: Path, spec: BootstrapSpec, seed: int, log: Log) -> 
     task = get_task(spec.task)
     build_char_tokenizer(tmp / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(tmp / "tokenizer")
-    heldout_rng = random.Random(f"fastdraft-bootstrap-heldout-{seed}")
-    heldout = [task.sample(heldout_rng) for _ in range(spec.num_heldout)]
-    torch.manual_seed(seed)
-    model = CausalLM(model_config(spec))
-    init_weights(model)
+    heldout = heldout_problems(spec, seed)
+    model, trained = train_bootstrap(spec, seed, tokenizer, log)
     num_params = sum(p.numel() for p in model.parameters())
-    log(f"bootstrap: training a {num_params / 1e6:.2f}M-param {spec.task} policy for "
-        f"{spec.steps} steps on {torch.get_num_threads()} threads")
-    batches = batch_stream(task, tokenizer, spec, random.Random(f"fastdraft-bootstrap-{seed}"),
-                           frozenset(p.prompt for p in heldout))
-    trained = train_policy(model, batches, spec, log)
+    digest = weights_digest(model)
 
     policy = tmp / POLICY_SUBDIR
     save_model(model, policy, tokenizer_dir=tmp / "tokenizer")
@@ -175,23 +189,25 @@ def _build(tmp: Path, final: Path, spec: BootstrapSpec, seed: int, log: Log) -> 
     (policy / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     eval_start = time.perf_counter()
-    engine = RolloutEngine(policy, max_batch_size=spec.eval_batch_size,
-                           max_seq_len=spec.max_position_embeddings)
     prompts = [encode_prompt(tokenizer, p.prompt) for p in heldout]
-    greedy = _evaluate(engine, tokenizer, task, heldout, prompts,
-                       SamplingParams(greedy=True, max_new_tokens=spec.max_new_tokens))
-    sampled = _evaluate(engine, tokenizer, task, heldout, prompts,
-                        SamplingParams(temperature=1.0, seed=seed,
-                                       max_new_tokens=spec.max_new_tokens))
+    with deterministic_cpu(spec.num_threads):
+        engine = RolloutEngine(policy, max_batch_size=spec.eval_batch_size,
+                               max_seq_len=spec.max_position_embeddings)
+        greedy = _evaluate(engine, tokenizer, task, heldout, prompts,
+                           SamplingParams(greedy=True, max_new_tokens=spec.max_new_tokens))
+        sampled = _evaluate(engine, tokenizer, task, heldout, prompts,
+                            SamplingParams(temperature=1.0, seed=seed,
+                                           max_new_tokens=spec.max_new_tokens))
     eval_seconds = time.perf_counter() - eval_start
     ref = length_percentiles([len(tokenizer.encode(p.solution)) + 1 for p in heldout])
     report = BootstrapReport(
         policy_dir=final / POLICY_SUBDIR, task=spec.task, seed=seed,
         spec_digest=spec.digest(seed), spec=asdict(spec), num_params=num_params,
-        train_steps=spec.steps, train_tokens=trained.tokens,
+        weights_digest=digest, **runtime_info(),
+        train_steps=len(trained.losses), train_tokens=trained.tokens,
         final_loss=sum(trained.losses[-50:]) / len(trained.losses[-50:]),
         train_seconds=trained.seconds, eval_seconds=eval_seconds,
-        total_seconds=time.perf_counter() - start, torch_threads=torch.get_num_threads(),
+        total_seconds=time.perf_counter() - start, torch_threads=spec.num_threads,
         num_heldout=len(heldout), heldout_accuracy_greedy=greedy.accuracy,
         heldout_accuracy_sampled=sampled.accuracy,
         greedy_accuracy_by_terms=_accuracy_by_terms(heldout, greedy.correct),

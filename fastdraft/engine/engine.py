@@ -10,6 +10,7 @@ DataBuffer listens), long before the batch's tail is done.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,6 +33,7 @@ from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.step_io import SamplingMode, StepIO
+from fastdraft.engine.trace import RolloutTrace
 from fastdraft.models import CausalLM, load_model, load_named_tensors
 
 OnFinish = Callable[[Completion], None]
@@ -59,15 +61,24 @@ class RolloutEngine:
                    max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
                    spec: SpecConfig | None = None, compile: bool = False,
                    graphs: bool | None = None, buckets: BucketPlan | None = None,
-                   proposer: Proposer | None = None) -> RolloutEngine:
-        """Wraps an in-memory model (it keeps its storage: load_weights updates it in place).
+                   proposer: Proposer | None = None, share_weights: bool = False
+                   ) -> RolloutEngine:
+        """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
+        gate/up for inference re-points those parameters at views of new matrices, so an
+        optimizer holding the model's parameters would silently stop training them. Weights
+        cross by name (`load_weights`). share_weights=True packs and runs `model` itself (no
+        copy: for inference-only models, e.g. benches on large random weights).
         proposer: an already built proposer (e.g. an EagleProposer over an in-memory drafter)
-        instead of one loaded from `drafter`."""
+        instead of one loaded from `drafter`; its drafter borrows the embedding and lm_head of
+        the model it was attached to, so attach it to `engine.model` (or share the weights)
+        when the policy will be updated with `load_weights`."""
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len, spec)
         if model.rope.cos.shape[0] < envelope.rope_len:
             raise ValueError(f"the model's rotary table covers {model.rope.cos.shape[0]} "
                              f"positions, less than {envelope.rope_len} needed")
+        if not share_weights:
+            model = copy.deepcopy(model)
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
                      spec, compile, graphs, buckets, proposer)
@@ -103,6 +114,7 @@ class RolloutEngine:
         self.drafter_version: int | None = 0 if spec.method != "none" else None
         self.rl_step = 0
         self.last_stats = SpecStats()
+        self.last_trace = RolloutTrace()
 
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
@@ -116,11 +128,15 @@ class RolloutEngine:
         for request in requests:
             scheduler.add(request)
         self.last_stats = SpecStats()
+        self.last_trace = trace = RolloutTrace(num_requests=len(requests))
         show = use_tqdm if use_tqdm is not None else len(requests) >= 64
         results: list[Completion | None] = [None] * len(requests)
+        unfinished = len(requests)
         with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
             while scheduler.has_work:
+                trace.record(unfinished)
                 for request in self.step(scheduler):
+                    unfinished -= 1
                     self.proposer.on_finish(request)
                     self.last_stats.merge(request.spec)
                     completion = request.to_completion(self.policy_version, self.drafter_version,
@@ -129,6 +145,7 @@ class RolloutEngine:
                     bar.update(1)
                     if on_finish is not None:
                         on_finish(completion)
+        trace.finish()
         return [c for c in results if c is not None]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

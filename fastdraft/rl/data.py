@@ -49,8 +49,18 @@ def load_prompts(
         raise ImportError("loading prompt files needs the `datasets` package (a fastdraft "
                           "dependency): pip install 'datasets>=3.0'") from err
 
+    if file.stat().st_size == 0:
+        raise ValueError(f"prompt file {str(file)!r} is empty: it needs one row per prompt")
     read = getattr(datasets.Dataset, f"from_{builder}")  # from_json / from_parquet
-    dataset = read(str(file), split=split)
+    try:
+        dataset = read(str(file), split=split)
+    except (Exception, StopIteration) as err:  # datasets' own errors bury the cause in chains
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        shape = ("one JSON object per line" if builder == "json" else "a parquet table")
+        raise ValueError(f"prompt file {str(file)!r} could not be read as {shape}: "
+                         f"{type(cause).__name__}: {str(cause)[:200]}") from None
     columns = list(dataset.column_names)
     for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
         if key is not None and key not in columns:

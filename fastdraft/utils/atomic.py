@@ -51,3 +51,26 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsyncs every file under `root`, then every directory bottom-up. Call it before the rename
+    that publishes `root`: a rename can reach the disk before the data it names, so without this
+    a power loss right after publishing could leave a complete-looking directory of empty files."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsyncs a directory's entries (after a rename or create inside it) so they survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

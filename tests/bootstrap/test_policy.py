@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,24 @@ def test_batch_stream_is_deterministic_bucketed_and_skips_excluded(tokenizer) ->
         for batch in pool:
             texts = tokenizer.batch_decode(batch.input_ids, skip_special_tokens=True)
             assert not {t.split("=")[0] + "=" for t in texts} & excluded
+
+
+def test_batch_stream_thins_long_problems_only(tokenizer) -> None:
+    task = get_task("modsum")
+
+    def lengths(spec: BootstrapSpec) -> list[int]:
+        stream = batch_stream(task, tokenizer, spec, random.Random(5))
+        batches = [next(stream) for _ in range(8 * spec.bucket_batches)]
+        return [n for b in batches for n in (b.input_ids != 0).sum(1).tolist()]
+
+    full = lengths(replace(TINY, thin_keep=1.0))
+    thin = lengths(replace(TINY, thin_above_tokens=22, thin_keep=0.2))
+    long_full = sum(n > 22 for n in full) / len(full)
+    long_thin = sum(n > 22 for n in thin) / len(thin)
+    assert long_full > 0.25  # modsum: ~42% of problems have more than 5 terms (> 22 tokens)
+    assert long_thin < 0.5 * long_full and sum(n > 22 for n in thin) > 0  # rarer, not gone
+    with pytest.raises(ValueError, match="thin_keep"):
+        BootstrapSpec(thin_keep=0.0)
 
 
 def test_lr_warms_up_then_decays_to_floor() -> None:

@@ -1,4 +1,4 @@
-"""End to end on the real bootstrap policy (trained once and cached; ~3.5 min on 2 cores the first
+"""End to end on the real bootstrap policy (trained once and cached; ~2 min on 2 cores the first
 time): its report meets the project's targets and the engine reproduces transformers' greedy
 decoding token for token on a batch of 16 mixed-length prompts."""
 
@@ -9,8 +9,10 @@ import torch
 import transformers
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.bootstrap.determinism import weights_digest
 from fastdraft.bootstrap.run import run_bootstrap
 from fastdraft.demo import heldout_prompts
+from fastdraft.models import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +23,14 @@ def report():
 
 
 def test_bootstrap_report_meets_targets(report):
-    assert 0.2 <= report.heldout_accuracy_greedy <= 0.9
+    # GRPO needs a learnable signal: accuracy far from 0 and from 1 (the target is ~20-35%).
+    assert 0.2 <= report.heldout_accuracy_greedy <= 0.5
+    # Answer lengths keep the task's long tail (reference p99/p50 ~ 6), greedy and sampled.
+    assert report.greedy_length_p99 / report.greedy_length_p50 >= 4
     assert report.sampled_length_p99 / report.sampled_length_p50 >= 4
     assert report.greedy_accuracy_by_terms["3-5"] > report.greedy_accuracy_by_terms["11-20"]
+    # The report's digest is that of the weights on disk.
+    assert report.weights_digest == weights_digest(load_model(report.policy_dir))
 
 
 def test_engine_greedy_equals_transformers_on_the_policy(report):

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import fastdraft.bootstrap.run as run_mod
+from fastdraft.bootstrap.determinism import weights_digest
 from fastdraft.bootstrap.policy import BootstrapSpec, encode_prompt
 from fastdraft.bootstrap.run import (
     BootstrapReport,
@@ -28,15 +29,15 @@ TINY = BootstrapSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_hea
 
 @pytest.fixture
 def train_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts real training runs (wraps train_policy as run.py calls it)."""
+    """Counts real training runs (wraps train_bootstrap as run.py calls it)."""
     calls: list[int] = []
-    real = run_mod.train_policy
+    real = run_mod.train_bootstrap
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(run_mod, "train_policy", counting)
+    monkeypatch.setattr(run_mod, "train_bootstrap", counting)
     return calls
 
 
@@ -66,6 +67,8 @@ def test_writes_loadable_policy_and_report_then_caches(tmp_path: Path, train_cal
     assert stored["num_heldout"] == TINY.num_heldout == report.num_heldout
     assert 0.0 <= report.heldout_accuracy_greedy <= 1.0
     assert report.num_params == sum(p.numel() for p in model.parameters())
+    assert report.weights_digest == weights_digest(model)  # the digest is of the saved weights
+    assert report.torch_threads == TINY.num_threads and report.cpu_capability
     assert report.reference_length_p50 <= report.reference_length_p99
     assert report.total_seconds >= report.train_seconds > 0
     assert BootstrapReport.from_json(report.to_json()) == report
@@ -75,10 +78,13 @@ def test_writes_loadable_policy_and_report_then_caches(tmp_path: Path, train_cal
     assert again == report  # `cached` is excluded from equality
 
 
-def test_force_retrains(tmp_path: Path, train_calls) -> None:
-    run_bootstrap(tmp_path, spec=TINY, log=_quiet)
-    forced = run_bootstrap(tmp_path, spec=TINY, log=_quiet, force=True)
+def test_force_retrains_and_reproduces_the_weights(tmp_path: Path, train_calls) -> None:
+    first = run_bootstrap(tmp_path, spec=TINY, log=_quiet)
+    lines: list[str] = []
+    forced = run_bootstrap(tmp_path, spec=TINY, log=lines.append, force=True)
     assert train_calls == [1, 1] and not forced.cached
+    assert forced.weights_digest == first.weights_digest
+    assert any("equal the previous build's" in line for line in lines)
     assert load_cached(forced.policy_dir.parent) is not None
     leftovers = [p.name for p in forced.policy_dir.parent.parent.iterdir() if p.name[0] == "."]
     assert leftovers == []

@@ -89,3 +89,15 @@ def test_write_jsonl_rejects_unserialisable_without_clobbering(tmp_path: Path) -
     with pytest.raises(TypeError):
         write_jsonl([{"a": object()}], path)
     assert path.read_text() == '{"a": 1}\n'
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "is empty"),
+    ('{"prompt": "a"}\n{"prompt": \n', "could not be read as one JSON object per line"),
+    ("not json at all\n", "could not be read"),
+])
+def test_unreadable_prompt_files_say_what_is_wrong(tmp_path: Path, content: str, match: str):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_prompts(path)

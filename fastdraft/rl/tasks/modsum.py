@@ -39,6 +39,11 @@ class ModSumTask(Task):
     tail_exponent: float = 2.0
     _cum_weights: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt this task draws: max_terms digits, each followed by + or =."""
+        return 2 * self.max_terms
+
     def __post_init__(self) -> None:
         if self.min_terms < 1:
             raise ValueError(f"min_terms={self.min_terms}: set it to 1 or more")

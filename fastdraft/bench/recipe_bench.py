@@ -1,0 +1,139 @@
+"""`fastdraft bench recipe`: a recipe run twice side by side, speculation off and on, same seeds,
+steps interleaved (off step 0, on step 0, off step 1, ...) so machine drift hits both alike.
+
+Reports the total rollout time ratio (`rollout_time_ratio` = on / off), the step time ratio,
+the rollout share of each, and both reward curves. How the rewards are compared:
+
+* The law (`law_check`): after training, both engines load the off run's final policy and roll
+  it out on the first step's prompts with `law_seeds` seeds that training never used. Lossless
+  speculation means both draw from one law, so the mean reward and mean answer length differ
+  by sampling noise only: the bench reports the differences with a 95% interval over seeds
+  (Welch; each seed's mean over the step's samples is one observation), and 0 belongs inside.
+* The curves: after step 0 each run trains on its own draws, so the two curves are two
+  trajectories of one stochastic process, not paired samples; a step's difference carries the
+  whole history of both. They are compared by each run's first-5 -> last-5 rise and the mean
+  over all steps, not by a per-step test.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fastdraft.bench.common import write_json
+from fastdraft.config import load_recipe
+from fastdraft.rl.loop import rollout, train_step
+from fastdraft.rl.run import Run
+
+
+def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
+                     json_path: Path | None = None, cache_dir: Path | None = None,
+                     law_seeds: int = 8) -> dict[str, Any]:
+    base = load_recipe(recipe, overrides)
+    if not base.rollout.spec.enabled:
+        raise ValueError(f"{recipe} does not speculate (rollout.spec.method=none): nothing to "
+                         "compare; set rollout.spec.method")
+    quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false"]
+    runs: dict[str, Run] = {}
+    for name, method in (("off", "none"), ("on", base.rollout.spec.method)):
+        run_dir = out_dir / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg = load_recipe(recipe, [*overrides, *quiet, f"rollout.spec.method={method}"])
+        runs[name] = Run(cfg, run_dir, cache_dir=cache_dir)
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for step in range(base.algorithm.num_steps):
+        for name, run in runs.items():
+            rows[name].append(train_step(run, step))
+            print(f"step {step + 1}/{base.algorithm.num_steps} speculation {name}: reward "
+                  f"{rows[name][-1]['reward/mean']:.3f} rollout "
+                  f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
+    law = law_check(runs, base.rollout.prompts_per_step, law_seeds)
+    for run in runs.values():
+        run.finish()
+    samples = base.rollout.prompts_per_step * base.rollout.group_size
+    payload = {**_summary(rows), "law_check": law}
+    payload.update(recipe=str(recipe), overrides=overrides, num_steps=base.algorithm.num_steps,
+                   samples_per_step=samples, plot=str(_plot(rows, out_dir / "recipe_bench.png")))
+    if json_path is not None:
+        write_json(json_path, payload)
+    return payload
+
+
+def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, steps in rows.items():
+        rewards = [r["reward/mean"] for r in steps]
+        out[name] = dict(
+            rollout_time_s=sum(r["rollout/time_s"] for r in steps),
+            step_time_s=sum(r["timing/step_s"] for r in steps),
+            rollout_share=sum(r["timing/rollout_s"] for r in steps)
+            / sum(r["timing/step_s"] for r in steps),
+            tail_share=sum(r["rollout/tail_time_s"] for r in steps)
+            / max(sum(r["rollout/time_s"] for r in steps), 1e-9),
+            rewards=rewards, reward_first5=sum(rewards[:5]) / len(rewards[:5]),
+            reward_last5=sum(rewards[-5:]) / len(rewards[-5:]),
+            reward_mean=sum(rewards) / len(rewards),
+            accept_length=[r.get("rollout/accept_length", 1.0) for r in steps])
+    off, on = out["off"], out["on"]
+    out["rollout_time_ratio"] = on["rollout_time_s"] / off["rollout_time_s"]
+    out["step_time_ratio"] = on["step_time_s"] / off["step_time_s"]
+    out["reward_mean_diff"] = on["reward_mean"] - off["reward_mean"]
+    return out
+
+
+def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int) -> dict[str, Any]:
+    """Both runs' engines roll out one policy (the off run's, pushed into the on run's engine)
+    with `num_seeds` seeds training never used; per seed, the mean reward and answer length."""
+    if num_seeds < 2:
+        return {"num_seeds": num_seeds}
+    runs["on"].engine.load_weights(runs["off"].actor.named_parameters())
+    per_run: dict[str, dict[str, list[float]]] = {}
+    for name, run in runs.items():
+        items = run.prompts.batch(0, num_prompts)
+        group = run.cfg.rollout.group_size
+        rewards, lengths = [], []
+        for i in range(num_seeds):
+            # Steps past the last: seeds no training step drew from.
+            completions = rollout(run, run.cfg.algorithm.num_steps + i, [it.ids for it in items])
+            scores = [run.prompts.score(items[j // group], run.decode(c.token_ids))
+                      for j, c in enumerate(completions)]
+            rewards.append(sum(scores) / len(scores))
+            lengths.append(sum(len(c.token_ids) for c in completions) / len(completions))
+        per_run[name] = {"reward": rewards, "length": lengths}
+    out: dict[str, Any] = {"num_seeds": num_seeds, **per_run}
+    for key in ("reward", "length"):
+        diff, half = _welch(per_run["on"][key], per_run["off"][key])
+        out[f"{key}_diff"], out[f"{key}_diff_95"] = diff, [diff - half, diff + half]
+        out[f"{key}_consistent"] = diff - half <= 0 <= diff + half
+    return out
+
+
+def _welch(a: list[float], b: list[float]) -> tuple[float, float]:
+    """mean(a) - mean(b) and the half-width of its 95% interval (normal quantile: the per-seed
+    means average hundreds of samples)."""
+    def var_of_mean(x: list[float]) -> float:
+        m = sum(x) / len(x)
+        return sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)
+    return (sum(a) / len(a) - sum(b) / len(b),
+            1.96 * math.sqrt(var_of_mean(a) + var_of_mean(b)))
+
+
+def _plot(rows: dict[str, list[dict[str, float]]], out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, steps in rows.items():
+        x = list(range(1, len(steps) + 1))
+        left.plot(x, [r["reward/mean"] for r in steps], marker="o", label=f"speculation {name}")
+        right.plot(x, [r["rollout/time_s"] for r in steps], marker="o", label=f"speculation {name}")
+    left.set(title="reward per step (two trajectories)", xlabel="step")
+    right.set(title="rollout time per step (s)", xlabel="step")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,66 @@
+"""Resume from a checkpoint: weights in place, optimizer, scheduler and RNG restored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from fastdraft.checkpoint.layout import (
+    CONFIG_FILE,
+    FORMAT,
+    MODEL_DIR,
+    STATE_FILE,
+    TENSORS_FILE,
+    CorruptCheckpointError,
+    validate,
+)
+from fastdraft.checkpoint.state import LoadedState, RngState
+from fastdraft.checkpoint.tree import unflatten
+from fastdraft.models import load_named_tensors
+from fastdraft.models.loading import iter_safetensors
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any | None = None) -> LoadedState:
+    """Validates `path` first (a damaged checkpoint raises CorruptCheckpointError naming the file
+    before anything is changed), then copies the weights into `model`'s parameters in place (the
+    engine and CUDA graphs keep their storage) and restores optimizer, scheduler and RNGs."""
+    path = Path(path)
+    validate(path)
+    state = _read(path, STATE_FILE, lambda p: json.loads(p.read_text()))
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this fastdraft "
+                         f"reads format {FORMAT}: resume with the fastdraft that wrote it")
+    tensors = _read(path, TENSORS_FILE, lambda p: load_file(str(p)))
+    loaded = set(_read(path, MODEL_DIR, lambda p: load_named_tensors(model, iter_safetensors(p))))
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of this "
+                         f"model, e.g. {sorted(missing)[:3]}: was it saved from another model?")
+    trees = _read(path, TENSORS_FILE, lambda _: {k: unflatten(state[k], tensors)
+                                                  for k in ("optimizer", "scheduler", "rng")})
+    if optimizer is not None:
+        optimizer.load_state_dict(trees["optimizer"])
+    if scheduler is not None:
+        if trees["scheduler"] is None:
+            raise ValueError(f"checkpoint {path} has no LR scheduler state (it was saved with "
+                             "TrainState.scheduler=None): build the run without a scheduler")
+        scheduler.load_state_dict(trees["scheduler"])
+    RngState.from_tree(trees["rng"]).restore()
+    config = _read(path, CONFIG_FILE, lambda p: json.loads(p.read_text()))
+    return LoadedState(path=path, step=int(state["step"]), config=config, extra=state["extra"])
+
+
+def _read(ckpt: Path, rel: str, read: Any) -> Any:
+    """Runs `read(ckpt / rel)`; damage that validate() cannot see (bad bytes inside a tensor,
+    a dangling tensor key) becomes a CorruptCheckpointError naming the file."""
+    try:
+        return read(ckpt / rel)
+    except (OSError, SafetensorError, json.JSONDecodeError, KeyError) as e:
+        raise CorruptCheckpointError(ckpt, rel, f"unreadable ({e!r})") from e

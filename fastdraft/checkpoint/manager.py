@@ -1,0 +1,134 @@
+"""CheckpointManager: asynchronous, crash-safe checkpoints of the GRPO loop, newest `keep` kept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdraft.checkpoint.layout import (
+    CorruptCheckpointError,
+    step_dir_name,
+    step_dirs,
+    temp_dirs,
+    validate,
+)
+from fastdraft.checkpoint.load import load_checkpoint
+from fastdraft.checkpoint.snapshot import HostMirror, take_snapshot
+from fastdraft.checkpoint.state import LoadedState, TrainState
+from fastdraft.checkpoint.write import write_checkpoint
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint directory was skipped (incomplete, corrupt or a leftover temp dir)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background write failed; raised at the next save() or wait(), `__cause__` is the error."""
+
+
+class CheckpointManager:
+    """Saves TrainStates under `run_dir/checkpoints/step-NNNNNN/` without making the loop wait for
+    the disk: `save` copies the state to host memory, one background thread writes it.
+
+    At most one write is in flight: `save` first waits for the previous one. That bounds host
+    memory to one snapshot (a second would need another copy of weights and optimizer moments,
+    ~3x the model) and keeps the order of checkpoints on disk the order of steps. One manager
+    (one process) per run_dir; call it from one thread.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdraft-ckpt")
+        self._pending: tuple[int, Future[Path]] | None = None
+        self._mirror = HostMirror()
+
+    def save(self, step: int, state: TrainState, block: bool = False) -> None:
+        """Returns once the state is copied to host; the write goes on in the background unless
+        `block`. A failed earlier write raises CheckpointWriteError here, before anything else."""
+        self.wait()
+        snap = take_snapshot(step, state, self._mirror)
+        self._pending = (step, self._pool.submit(self._write, snap))
+        if block:
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the pending write (if any) is on disk; re-raises its error once."""
+        if self._pending is None:
+            return
+        (step, future), self._pending = self._pending, None
+        try:
+            future.result()
+        except Exception as e:
+            raise CheckpointWriteError(f"background write of checkpoint "
+                                       f"{self.root / step_dir_name(step)} failed: {e!r}") from e
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint that validates. Damaged and unfinished ones are skipped with a
+        CheckpointWarning naming them, so a resumed run never loads half a checkpoint. Waits for
+        a pending write first: it counts, and the writer's pruning must not race the listing."""
+        self.wait()
+        for tmp in temp_dirs(self.root):
+            warnings.warn(f"skipping {tmp}: an unfinished checkpoint write (the process died "
+                          "mid-write); it is removed after the next successful save",
+                          CheckpointWarning, stacklevel=2)
+        for _, path in reversed(step_dirs(self.root)):
+            try:
+                validate(path)
+                return path
+            except CorruptCheckpointError as e:
+                warnings.warn(f"skipping {e}", CheckpointWarning, stacklevel=2)
+        return None
+
+    def load(self, path: str | Path, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer | None = None,
+             scheduler: Any | None = None) -> LoadedState:
+        """See fastdraft.checkpoint.load.load_checkpoint."""
+        return load_checkpoint(path, model, optimizer, scheduler)
+
+    def close(self) -> None:
+        """Waits for the pending write (raising its error) and stops the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write(self, snap: Any) -> Path:
+        path = write_checkpoint(snap, self.root)
+        self._prune(snap.step)
+        return path
+
+    def _prune(self, step: int) -> None:
+        """Keeps the newest `keep` valid checkpoints up to `step` and removes leftover temp dirs
+        (the only writer is this thread, so none of them is being written). Damaged checkpoints
+        are left for a person to inspect; checkpoints newer than `step` (a run resumed from an
+        older one) are neither counted nor deleted."""
+        valid = []
+        for s, path in step_dirs(self.root):
+            if s <= step:
+                try:
+                    validate(path)
+                    valid.append(path)
+                except CorruptCheckpointError:
+                    pass
+        for tmp in temp_dirs(self.root):
+            shutil.rmtree(tmp, ignore_errors=True)
+        for path in valid[:-self.keep]:
+            # Renamed out of sight first: a kill mid-delete leaves a temp dir, not a step dir.
+            trash = path.with_name(f".{path.name}.deleting")
+            os.replace(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,93 @@
+"""The synchronous half of a save: copy the TrainState to host memory, so the loop can go on
+changing (or freeing) its tensors while the background writer puts the copy on disk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastdraft.checkpoint.layout import FORMAT
+from fastdraft.checkpoint.state import TrainState
+from fastdraft.checkpoint.tree import flatten
+from fastdraft.models import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A host-memory copy of one TrainState, owned by the writer until its write completes."""
+
+    step: int
+    model: CausalLM  # a CPU mirror of the actor, written with save_model
+    tensors: dict[str, torch.Tensor]
+    state_json: str
+    config_json: str
+
+
+class HostMirror:
+    """A CPU CausalLM with the actor's parameter names, shapes and dtypes, reused by every save.
+
+    Reusing it is safe because a save waits for the previous write before copying again, and it
+    keeps host memory at one copy of the weights. It is a real CausalLM so that save_model (the
+    one HF writer) writes it; its rotary tables are never computed because it never runs.
+    """
+
+    def __init__(self) -> None:
+        self._model: CausalLM | None = None
+
+    def copy_from(self, model: CausalLM) -> CausalLM:
+        if self._model is None or _signature(self._model) != _signature(model):
+            self._model = _empty_like(model)
+        with torch.no_grad():
+            for (_, dst), (_, src) in zip(self._model.named_parameters(),
+                                          model.named_parameters()):
+                dst.copy_(src)
+        return self._model
+
+
+def take_snapshot(step: int, state: TrainState, mirror: HostMirror) -> Snapshot:
+    """Copies every tensor to host and serialises every plain value now, so a state that cannot
+    be saved (a Path in the config, an unknown object in the optimizer state) fails here, in
+    the caller, instead of later in the writer thread."""
+    if step != state.step:
+        raise ValueError(f"save(step={step}) was given a TrainState of step {state.step}")
+    tensors: dict[str, torch.Tensor] = {}
+    tree = {"format": FORMAT, "step": step,
+            "optimizer": flatten(state.optimizer, "optimizer", tensors),
+            "scheduler": flatten(state.scheduler, "scheduler", tensors),
+            "rng": flatten(state.rng.as_tree(), "rng", tensors),
+            "extra": _checked(state.extra, "extra")}
+    return Snapshot(step=step, model=mirror.copy_from(state.model), tensors=tensors,
+                    state_json=json.dumps(tree), config_json=_dumps(state.config, "config"))
+
+
+def _checked(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    # A JSON round trip also copies it: the loop may keep mutating its dict.
+    return json.loads(_dumps(obj, name))
+
+
+def _dumps(obj: dict[str, Any], name: str) -> str:
+    try:
+        return json.dumps(obj, indent=2, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"TrainState.{name} must be JSON-serialisable ({e}): convert "
+                         "dataclasses with dataclasses.asdict and paths with str") from e
+
+
+def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+
+
+def _empty_like(model: CausalLM) -> CausalLM:
+    with torch.device("meta"):
+        mirror = CausalLM(model.config, max_positions=1)
+    mirror = mirror.to_empty(device="cpu")  # then per parameter: the actor's dtype, pinned
+    mirror.tie_weights()  # to_empty unties
+    params = dict(model.named_parameters())
+    pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
+    for name, p in mirror.named_parameters():
+        src = params[name]
+        p.data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+    return mirror.requires_grad_(False)

@@ -1,0 +1,138 @@
+"""YAML recipes <-> RunConfig. Keys map 1:1 onto the dataclass fields; an unknown key is an error
+that names the closest valid one; `section.key=value` overrides (command line) apply before the
+sections are built, so they are checked the same way. Values are coerced to the field's type
+(YAML reads `3e-6` as a string, for one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fastdraft.config.sections import RunConfig
+from fastdraft.utils.atomic import atomic_write_text
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """A recipe file (None: all defaults) plus `a.b.c=value` overrides -> a checked RunConfig."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"recipe {file} not found (bundled ones are in recipes/)")
+        try:
+            data = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"recipe {file} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"recipe {file} must be a mapping of sections, got "
+                             f"{type(data).__name__}")
+    for item in overrides:
+        _apply_override(data, item)
+    return build(RunConfig, data, "")
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. actor.lr=3e-6)")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def build(cls: type, data: Any, where: str, base: Any = None) -> Any:
+    """Builds dataclass `cls` from a mapping, recursively; `where` names the section in errors.
+    Keys the mapping leaves out keep the values of `base` (the section's default instance), so
+    `rollout.spec.method=none` changes the method and keeps the recipe's tree shape."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'recipe'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    if base is None:
+        base = _default_instance(cls)
+    kwargs = {} if base is None else {f: getattr(base, f) for f in fields}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {_join(where, close[0])!r}?" if close else ""
+            raise ValueError(f"unknown recipe key {name!r}{hint} (valid keys here: "
+                             f"{', '.join(sorted(fields))})")
+        kwargs[key] = _coerce(hints[key], value, name,
+                              None if base is None else getattr(base, key))
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"{where or 'recipe'}: {err}") from None
+
+
+def _default_instance(cls: type) -> Any:
+    try:
+        return cls()
+    except (TypeError, ValueError):  # a section without complete defaults
+        return None
+
+
+def _coerce(hint: Any, value: Any, name: str, current: Any = None) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, name, current) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, name, current if dataclasses.is_dataclass(current) else None)
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ValueError(f"{name} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, name) for a, v in zip(args, value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        try:
+            out = hint(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if hint is int and out != value and not (isinstance(value, str) and str(out) == value):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return out
+    if hint is str:
+        if not isinstance(value, str | int | float):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data (tuples as lists): what a run directory records."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    """Writes the resolved config as YAML (atomically); load_recipe reads it back."""
+    atomic_write_text(path, yaml.safe_dump(config_dict(cfg), sort_keys=False))

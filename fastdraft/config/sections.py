@@ -1,0 +1,182 @@
+"""The sections of a run, one frozen dataclass each, checked at construction. A YAML recipe maps
+onto them 1:1 (config/recipe.py): `actor.lr` in a recipe is `RunConfig.actor.lr` here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdraft.engine.spec.config import SpecConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    """The policy. path: an HF checkpoint directory; None = the bootstrap policy (trained once
+    and cached: the tiny CPU recipe)."""
+
+    path: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Prompts and their reward. task: problems drawn from a registered task (its verifier is
+    the reward): fresh ones every step, or task_pool of them drawn once and visited epoch by
+    epoch like a dataset; or path: a local parquet / JSONL file with prompt and answer columns,
+    scored by the registered `reward`."""
+
+    task: str | None = "modsum"
+    task_options: dict[str, Any] = field(default_factory=dict)  # the task's own settings
+    task_pool: int | None = None        # a dataset of this many task problems, visited in epochs
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str = "math"
+    add_special_tokens: bool | None = None  # None: no for task prompts, yes for file prompts
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require((self.task is None) != (self.path is None),
+                 "data: set exactly one of data.task (a built-in task) and data.path (a local "
+                 "parquet / JSONL file)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """prompts_per_step prompts, group_size samples each (GRPO's n), served by the engine."""
+
+    prompts_per_step: int = 16
+    group_size: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    max_batch_size: int = 64
+    max_seq_len: int | None = None      # None: the longest prompt + max_new_tokens
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="eagle", depth=6, topk=3,
+                                                                tokens_to_verify=12))
+    graphs: bool | None = None          # None: CUDA graphs on CUDA devices
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
+            _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "
+                 "rollouts give every group one answer)")
+        _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgorithmConfig:
+    """advantage / loss: registered names (fastdraft/rl/advantages.py, policy_loss.py); their
+    options: scale_std (GRPO; false = Dr. GRPO), clip_eps, clip_high (DAPO), kl_coef (k3 KL to
+    the frozen initial policy), aggregation (token-mean | seq-mean-token-mean |
+    seq-mean-token-sum-norm); skip_zero_variance drops groups whose rewards are all equal
+    (DAPO). logprob_tolerance: the lossless gate (actor vs engine logprobs, per token)."""
+
+    num_steps: int = 20
+    advantage: str = "grpo"
+    scale_std: bool = True
+    loss: str = "grpo"
+    clip_eps: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    aggregation: str | None = None      # None: the loss's own default
+    skip_zero_variance: bool = False
+    logprob_tolerance: float | None = None  # None: from the dtype (fp32 1e-3, bf16 5e-2)
+
+    def __post_init__(self) -> None:
+        _require(self.num_steps >= 1, "algorithm.num_steps must be >= 1")
+        _require(self.kl_coef >= 0 and self.clip_eps > 0, "algorithm.kl_coef must be >= 0 "
+                 "and clip_eps > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorConfig:
+    """The trained policy: AdamW through accelerate. micro_batch_tokens bounds the tokens of one
+    forward/backward (gradients accumulate over micro-batches into one optimizer step per
+    update); mixed_precision: no | bf16 | fp16; deepspeed: a DeepSpeed config dict (ZeRO-2/3)
+    handed to accelerate on GPU clusters."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    updates_per_step: int = 1
+    micro_batch_tokens: int = 8192
+    mixed_precision: str = "no"
+    deepspeed: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "actor.lr must be > 0")
+        _require(self.updates_per_step >= 1 and self.micro_batch_tokens >= 1,
+                 "actor.updates_per_step and actor.micro_batch_tokens must be >= 1")
+        _require(self.mixed_precision in ("no", "bf16", "fp16"),
+                 "actor.mixed_precision must be no, bf16 or fp16")
+        if self.deepspeed is not None:
+            stage = self.deepspeed.get("zero_optimization", {}).get("stage")
+            _require(stage in (0, 1, 2, 3), "actor.deepspeed.zero_optimization.stage must be "
+                     f"0, 1, 2 or 3, got {stage!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterConfig:
+    """path: a drafter directory (`fastdraft drafter warmup`); None with the bootstrap policy
+    warms one up (cached) with warmup_steps steps on warmup_rollouts rollouts."""
+
+    path: str | None = None
+    kind: str = "eagle1"
+    warmup_steps: int = 4000
+    warmup_rollouts: int = 2048
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 1 and self.keep >= 1, "checkpoint.every and keep must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WandbConfig:
+    mode: str = "offline"       # offline | online | disabled
+    project: str = "fastdraft"
+
+    def __post_init__(self) -> None:
+        _require(self.mode in ("offline", "online", "disabled"),
+                 "logging.wandb.mode must be offline, online or disabled")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True
+    dashboard: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

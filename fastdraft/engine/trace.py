@@ -1,0 +1,37 @@
+"""RolloutTrace: when each engine step of a `generate` call started and how many requests were
+still unfinished then: enough to tell the busy phase of a rollout from its long tail."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RolloutTrace:
+    num_requests: int = 0
+    times: list[float] = field(default_factory=list)     # step start (perf_counter seconds)
+    active: list[int] = field(default_factory=list)      # requests unfinished at that start
+    end: float = 0.0
+
+    def record(self, num_active: int) -> None:
+        self.times.append(time.perf_counter())
+        self.active.append(num_active)
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+
+    @property
+    def time_s(self) -> float:
+        return self.end - self.times[0] if self.times else 0.0
+
+    def tail_time_s(self, fraction: float = 0.5) -> float:
+        """Seconds spent while fewer than `fraction` of the requests were still unfinished."""
+        bounds = [*self.times[1:], self.end]
+        return sum(stop - start for start, stop, n in zip(self.times, bounds, self.active)
+                   if n < fraction * self.num_requests)
+
+    def running_over_time(self) -> tuple[list[float], list[int]]:
+        """(seconds since the start, unfinished requests) per step: the long-tail picture."""
+        start = self.times[0] if self.times else 0.0
+        return [t - start for t in self.times], list(self.active)

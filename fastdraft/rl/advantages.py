@@ -1,0 +1,117 @@
+"""Group-relative advantage estimators: G samples per prompt, no value network.
+
+Estimators register by name (``@register_advantage("grpo")``) and are called through
+``compute_advantages(name, rewards, group_size, **options)``. Rewards arrive flat in group-major
+order (the G samples of prompt 0, then those of prompt 1, ...), which is the order the rollout
+engine returns them in; estimators see them reshaped to [num_prompts, G].
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+GRPO_EPS = 1e-6
+
+AdvantageFn = Callable[..., torch.Tensor]
+_F = TypeVar("_F", bound=AdvantageFn)
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[_F], _F]:
+    """Decorator: register ``fn(grouped [P, G], **options) -> [P, G]`` under ``name``."""
+
+    def decorate(fn: _F) -> _F:
+        if name in _ADVANTAGES and _ADVANTAGES[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return decorate
+
+
+def available_advantages() -> list[str]:
+    """Names of the registered estimators, sorted."""
+    return sorted(_ADVANTAGES)
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Validate flat rewards [P * G] and view them as float [P, G]."""
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size}: use 1 or more samples per prompt")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)}: pass a flat [P * G] tensor")
+    if rewards.numel() == 0 or rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards is not a positive multiple of group_size={group_size}: "
+            "pass all G samples of every prompt"
+        )
+    rewards = rewards.detach()
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf: fix the reward function's output")
+    return rewards.view(-1, group_size)
+
+
+def compute_advantages(
+    name: str, rewards: torch.Tensor, group_size: int, **options: object
+) -> torch.Tensor:
+    """Per-sample advantages [P * G] from rewards [P * G] (group-major), same order.
+
+    Advantages carry no gradient: they are targets for the policy loss, not a function of it.
+    """
+    try:
+        fn = _ADVANTAGES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}: choose one of {available_advantages()}"
+        ) from None
+    accepted = list(inspect.signature(fn).parameters)[1:]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"advantage {name!r} got unknown options {unknown}: it takes {accepted}")
+    return fn(_grouped(rewards, group_size), **options).reshape(-1)
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Bool [P]: True where all G rewards of a prompt are equal.
+
+    Such groups have zero advantage under every group-relative estimator, so they add no
+    policy gradient; DAPO drops them (pass ``sample_weight = ~mask.repeat_interleave(G)``).
+    """
+    grouped = _grouped(rewards, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
+@register_advantage("grpo")
+def grpo_advantages(grouped: torch.Tensor, *, scale_std: bool = True) -> torch.Tensor:
+    """(r - group mean) / (group std + 1e-6); ``scale_std=False`` is Dr. GRPO (mean only).
+
+    The std is the unbiased sample std (divides by G - 1), as ``torch.std`` in verl's GRPO, so
+    values match that reference; it needs G >= 2. Dr. GRPO drops the division because it
+    up-weights prompts that are nearly always right or wrong (a length/difficulty bias).
+    """
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if not scale_std:
+        return centered
+    if grouped.shape[1] < 2:
+        raise ValueError("grpo with scale_std=True needs group_size >= 2 (std of one sample)")
+    return centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + GRPO_EPS)
+
+
+@register_advantage("rloo")
+def rloo_advantages(grouped: torch.Tensor) -> torch.Tensor:
+    """r_i - mean of the other G - 1 rewards of the group (leave-one-out baseline).
+
+    The baseline excludes the sample itself, so it is independent of r_i and the gradient
+    estimate is unbiased; it equals G / (G - 1) * (r_i - group mean).
+    """
+    g = grouped.shape[1]
+    if g < 2:
+        raise ValueError(f"rloo needs group_size >= 2 (got {g}): leave-one-out needs others")
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (g - 1)
+    return grouped - others_mean

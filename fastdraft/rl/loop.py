@@ -1,0 +1,105 @@
+"""The GRPO step loop: rollout -> rewards -> advantages -> actor update (its forward pass also
+feeds the lossless gate, checked before the optimizer step) -> push weights -> metrics ->
+checkpoint. Everything it needs is assembled in rl/run.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastdraft.engine import Completion, SamplingParams
+from fastdraft.rl.gate import LosslessGateError, check_logprobs
+from fastdraft.rl.sequences import SequenceBatch, build_batch
+
+if TYPE_CHECKING:
+    from fastdraft.rl.run import Run
+
+
+def train(run: Run) -> None:
+    for step in range(run.start_step, run.cfg.algorithm.num_steps):
+        train_step(run, step)
+    run.finish()
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """One GRPO step; returns (and logs) its metrics."""
+    cfg, timer = run.cfg, _Timer()
+    items = run.prompts.batch(step, cfg.rollout.prompts_per_step)
+    completions = rollout(run, step, [it.ids for it in items])
+    timer.lap("rollout")
+    group = cfg.rollout.group_size
+    rewards = [run.prompts.score(items[i // group], run.decode(c.token_ids))
+               for i, c in enumerate(completions)]
+    advantages, weights = run.algorithm.advantages(rewards, group)
+    # Samples of skipped (zero-variance) groups carry no gradient: they leave the batch, so the
+    # update costs only what it learns from (DAPO's dynamic sampling, without the resampling).
+    keep = [i for i, w in enumerate(weights) if w > 0] or list(range(len(completions)))
+    batch = build_batch([items[i // group].ids for i in keep],
+                        [completions[i].token_ids for i in keep],
+                        [completions[i].logprobs for i in keep],
+                        [advantages[i] for i in keep], [weights[i] for i in keep])
+    timer.lap("reward")
+    gate: dict[str, float] = {}   # the lossless gate, on the first update's forward pass
+    objective = run.algorithm.objective(batch, run.reference)
+    for i in range(cfg.actor.updates_per_step):  # > 1: PPO epochs over the same rollout
+        update = run.actor.update(batch, objective, cfg.rollout.temperature,
+                                  before_step=None if i else _gate(
+                                      batch, run.logprob_tolerance, gate, step))
+    timer.lap("update")
+    run.engine.load_weights(run.actor.named_parameters())
+    timer.lap("push")
+    metrics = {**run.rollout_metrics(completions, rewards), **gate, **update.metrics,
+               "actor/trained_samples": float(len(keep)),
+               **timer.metrics(), "timing/last_checkpoint_s": run.last_checkpoint_s,
+               "policy/version": float(run.engine.policy_version)}
+    # Logged before the checkpoint: a checkpointed step always has its metrics line.
+    run.logger.log(step, metrics)
+    if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.algorithm.num_steps:
+        run.save_checkpoint(step + 1)
+    return metrics
+
+
+def rollout(run: Run, step: int, prompts: list[list[int]]) -> list[Completion]:
+    """group_size samples of every prompt (request i of the call draws from seed + i: every
+    sample its own stream, every step new ones, the same again after a resume)."""
+    cfg = run.cfg.rollout
+    group = cfg.group_size
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_new_tokens=cfg.max_new_tokens,
+                            seed=run.cfg.seed * 1_000_003 + step * len(prompts) * group)
+    return run.engine.generate([p for p in prompts for _ in range(group)], params,
+                               on_finish=run.on_finish, use_tqdm=False)
+
+
+def _gate(batch: SequenceBatch, tolerance: float, into: dict[str, float], step: int
+          ) -> Callable[[torch.Tensor], None]:
+    def check(actor_logprobs: torch.Tensor) -> None:
+        try:
+            into.update(check_logprobs(actor_logprobs, batch.old_logprobs, batch.mask,
+                                       tolerance))
+        except LosslessGateError as err:
+            raise LosslessGateError(f"step {step}: {err} (nothing of this step was applied)"
+                                    ) from None
+    return check
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self.last
+        self.last = now
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing/{k}_s": v for k, v in self.laps.items()}
+        out["timing/step_s"] = self.last - self.start
+        return out
+
+
+OnFinish = Callable[[Completion], None]

@@ -1,0 +1,27 @@
+"""`bench recipe` runs a recipe with speculation off and on, interleaved, and compares them."""
+
+from __future__ import annotations
+
+import json
+
+from fastdraft.bench.recipe_bench import run_recipe_bench
+
+
+def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\nrollout:\n  prompts_per_step: 2\n"
+                      "  group_size: 4\n  max_new_tokens: 8\n  max_batch_size: 8\n  spec:\n"
+                      "    method: suffix\nalgorithm:\n  num_steps: 2\n")
+    out = run_recipe_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "b.json",
+                           law_seeds=3)
+    assert out["rollout_time_ratio"] > 0 and out["step_time_ratio"] > 0
+    for name in ("off", "on"):
+        assert len(out[name]["rewards"]) == 2 and 0 < out[name]["rollout_share"] < 1
+    assert out["on"]["accept_length"][0] >= 1.0 and out["off"]["accept_length"] == [1.0, 1.0]
+    law = out["law_check"]
+    assert law["num_seeds"] == 3 and len(law["on"]["reward"]) == len(law["off"]["length"]) == 3
+    for key in ("reward", "length"):
+        low, high = law[f"{key}_diff_95"]
+        assert low <= law[f"{key}_diff"] <= high
+    assert json.loads((tmp_path / "b.json").read_text())["num_steps"] == 2
+    assert (tmp_path / "runs" / "recipe_bench.png").stat().st_size > 5000

@@ -1,0 +1,110 @@
+"""Pruning, skipping of damaged checkpoints, clear errors, and writer failures that surface."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastdraft.checkpoint.write as write_mod
+from fastdraft.checkpoint import (
+    CheckpointManager,
+    CheckpointWarning,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    TrainState,
+)
+from tests.checkpoint.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_and_opt():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(manager, step, model_and_opt, block=False):
+    model, optimizer = model_and_opt
+    manager.save(step, TrainState(model=model, optimizer=optimizer.state_dict(), step=step,
+                                  extra={"step": step}), block=block)
+
+
+def _names(manager):
+    return sorted(p.name for p in manager.root.iterdir())
+
+
+def test_keeps_only_the_newest_k(tmp_path, model_and_opt):
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in range(1, 6):
+        _save(manager, step, model_and_opt)
+    manager.wait()
+    assert _names(manager) == ["step-000004", "step-000005"]
+    # A run resumed from step 4 must not have its new checkpoints pruned in favour of step 5.
+    _save(manager, 3, model_and_opt, block=True)
+    assert _names(manager) == ["step-000003", "step-000004", "step-000005"]
+    manager.close()
+
+
+def test_latest_skips_incomplete_corrupt_and_temp_dirs(tmp_path, model_and_opt):
+    manager = CheckpointManager(tmp_path, keep=10)
+    for step in range(1, 5):
+        _save(manager, step, model_and_opt)
+    manager.wait()
+    root = manager.root
+    (root / "step-000004" / "COMPLETE").unlink()  # as if published without its marker
+    weights = root / "step-000003" / "model" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    state = root / "step-000002" / "state.safetensors"
+    with state.open("r+b") as f:  # same size, garbage header: only parsing finds it
+        f.write(b"\xff" * 16)
+    (root / ".step-000005.tmp-abc123").mkdir()  # a write killed mid-way
+    with pytest.warns(CheckpointWarning) as caught:
+        assert manager.latest() == root / "step-000001"
+    text = "\n".join(str(w.message) for w in caught)
+    for name in ("step-000004/COMPLETE", "step-000003/model/model.safetensors",
+                 "step-000002/state.safetensors", ".step-000005.tmp-abc123"):
+        assert name in text, name
+
+    for bad, file in (("step-000004", "COMPLETE"), ("step-000003", "model/model.safetensors"),
+                      ("step-000002", "state.safetensors")):
+        with pytest.raises(CorruptCheckpointError, match=r"Delete .* resume from an older") as e:
+            manager.load(root / bad, tiny_model())
+        assert str(root / bad / file) in str(e.value)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        manager.load(root / "step-000099", tiny_model())
+
+    _save(manager, 5, model_and_opt, block=True)  # the next save clears the leftover temp dir
+    assert not [n for n in _names(manager) if n.startswith(".")]
+    assert manager.latest() == root / "step-000005"
+    manager.close()
+
+
+def test_writer_error_surfaces_at_next_save_and_wait(tmp_path, model_and_opt, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    manager = CheckpointManager(tmp_path, keep=2)
+    monkeypatch.setattr(write_mod, "save_model", disk_full)
+    _save(manager, 1, model_and_opt)  # returns: the write fails in the background
+    with pytest.raises(CheckpointWriteError, match=r"step-000001.*No space left") as e:
+        _save(manager, 2, model_and_opt)
+    assert isinstance(e.value.__cause__, OSError)
+    _save(manager, 3, model_and_opt)
+    with pytest.raises(CheckpointWriteError, match="step-000003"):
+        manager.wait()
+    manager.wait()  # raised once, not forever
+    assert _names(manager) == []  # nothing half-written left behind
+    assert manager.latest() is None
+
+    monkeypatch.undo()
+    _save(manager, 4, model_and_opt, block=True)
+    assert manager.latest() == manager.root / "step-000004"
+    with pytest.raises(CheckpointWriteError):
+        monkeypatch.setattr(write_mod, "save_model", disk_full)
+        with manager:  # close() raises the last write's error too
+            _save(manager, 5, model_and_opt)

@@ -1,0 +1,53 @@
+"""Recipes map 1:1 onto the RunConfig sections; mistakes are errors that say what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastdraft.config import RunConfig, dump_config, load_recipe
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_recipe_and_dotted_overrides_build_checked_sections(tmp_path):
+    path = _write(tmp_path, "name: t\nactor:\n  lr: 3.0e-6\nrollout:\n  spec:\n    depth: 4\n")
+    cfg = load_recipe(path, ["actor.lr=1e-5", "rollout.spec.method=none", "seed=7"])
+    assert isinstance(cfg, RunConfig) and cfg.name == "t" and cfg.seed == 7
+    assert cfg.actor.lr == 1e-5 and isinstance(cfg.actor.lr, float)  # YAML reads 1e-5 as text
+    # a partial section keeps the defaults of the keys it leaves out
+    assert cfg.rollout.spec.method == "none" and cfg.rollout.spec.depth == 4
+    assert cfg.rollout.spec.topk == RunConfig().rollout.spec.topk
+
+
+@pytest.mark.parametrize("text, override, message", [
+    ("actor:\n  lrr: 1\n", None, "did you mean 'actor.lr'"),
+    ("rollot:\n  group_size: 2\n", None, "did you mean 'rollout'"),
+    ("", "rollout.spec.methd=eagle", "did you mean 'rollout.spec.method'"),
+    ("", "actor.lr=fast", "actor.lr must be a number"),
+    ("", "rollout.group_size=2.5", "must be an integer"),
+    ("", "logging.progress=maybe", "must be true or false"),
+    ("", "rollout.spec.method=medusa", "unknown spec method"),
+    ("", "model.dtype=float8", "model.dtype must be one of"),
+    ("", "data.path=x.jsonl", "set exactly one of data.task"),
+    ("- a\n- b\n", None, "must be a mapping"),
+    ("actor: [1, 2\n", None, "not valid YAML"),
+    ("", "actor.lr", "is not KEY=VALUE"),
+])
+def test_mistakes_name_what_to_change(tmp_path, text, override, message):
+    with pytest.raises(ValueError, match=message):
+        load_recipe(_write(tmp_path, text), [override] if override else [])
+
+
+def test_a_missing_recipe_file_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="recipes/"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_the_resolved_config_round_trips(tmp_path):
+    cfg = load_recipe(None, ["actor.betas=[0.8, 0.95]", "algorithm.loss=dapo"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_recipe(tmp_path / "config.yaml") == cfg
