@@ -71,7 +71,7 @@ def test_the_lossless_gate_stops_a_run_whose_rollout_is_not_the_policys(char_pol
         outs[0].logprobs[0] -= 0.5  # as if the token came from another distribution
         return outs
     monkeypatch.setattr(run.engine, "generate", corrupted)
-    with pytest.raises(LosslessGateError, match="^step 0: .*differs from the actor.s"):
+    with pytest.raises(LosslessGateError, match=r"^step 0: .*differs from the actor.s"):
         train(run)
 
 
