@@ -14,28 +14,23 @@ from typing import TypeVar
 
 import torch
 
+from fastdraft.utils.registry import Registry
+
 GRPO_EPS = 1e-6
 
 AdvantageFn = Callable[..., torch.Tensor]
 _F = TypeVar("_F", bound=AdvantageFn)
-_ADVANTAGES: dict[str, AdvantageFn] = {}
+_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def register_advantage(name: str) -> Callable[[_F], _F]:
     """Decorator: register ``fn(grouped [P, G], **options) -> [P, G]`` under ``name``."""
-
-    def decorate(fn: _F) -> _F:
-        if name in _ADVANTAGES and _ADVANTAGES[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return decorate
+    return _ADVANTAGES.register(name)  # type: ignore[return-value]
 
 
 def available_advantages() -> list[str]:
     """Names of the registered estimators, sorted."""
-    return sorted(_ADVANTAGES)
+    return _ADVANTAGES.names()
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -64,12 +59,7 @@ def compute_advantages(
 
     Advantages carry no gradient: they are targets for the policy loss, not a function of it.
     """
-    try:
-        fn = _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}: choose one of {available_advantages()}"
-        ) from None
+    fn = _ADVANTAGES.get(name)
     accepted = list(inspect.signature(fn).parameters)[1:]
     unknown = sorted(set(options) - set(accepted))
     if unknown:

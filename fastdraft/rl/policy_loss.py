@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from fastdraft.utils.registry import Registry
+
 # exp() of a log-ratio beyond this is clipped anyway; clamping keeps ratio and k3 finite.
 LOG_RATIO_CLAMP = 20.0
 
@@ -122,24 +124,17 @@ def aggregate(
 
 
 _F = TypeVar("_F", bound=Callable[..., tuple[torch.Tensor, dict[str, float]]])
-_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {}
+_LOSSES: Registry[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = Registry("policy loss")
 
 
 def register_policy_loss(name: str) -> Callable[[_F], _F]:
     """Decorator: register ``fn(batch, **options) -> (loss, metrics)`` under ``name``."""
-
-    def decorate(fn: _F) -> _F:
-        if name in _LOSSES and _LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _LOSSES[name] = fn
-        return fn
-
-    return decorate
+    return _LOSSES.register(name)  # type: ignore[return-value]
 
 
 def available_policy_losses() -> list[str]:
     """Names of the registered losses, sorted."""
-    return sorted(_LOSSES)
+    return _LOSSES.names()
 
 
 def policy_loss(
@@ -152,9 +147,7 @@ def policy_loss(
     term wins the min and the token's gradient is cut off (verl's definition). kl is the mean
     k3 estimate when ``ref_logprobs`` is given, else 0.0.
     """
-    if name not in _LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}: choose one of {available_policy_losses()}")
-    fn = _LOSSES[name]
+    fn = _LOSSES.get(name)
     accepted = list(inspect.signature(fn).parameters)[1:]
     unknown = sorted(set(options) - set(accepted))
     if unknown:

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from fastdraft.rl.tasks import Problem, Task, get_task
+from fastdraft.utils.registry import Registry
 
 RewardFn = Callable[[str, str], float]
-_REWARDS: dict[str, RewardFn] = {}
+_REWARDS: Registry[RewardFn] = Registry("reward")
 
 _BOXED = "\\boxed{"
 # a thousands-grouped number (1,234,567.8) or a plain one; a '-' right after a digit is minus
@@ -28,26 +29,17 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn(completion_text, answer) -> float`` under ``name``."""
 
-    def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS and _REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REWARDS[name] = fn
-        return fn
-
-    return decorate
+    return _REWARDS.register(name)
 
 
 def available_rewards() -> list[str]:
     """Names of the registered rewards, sorted."""
-    return sorted(_REWARDS)
+    return _REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward registered as ``name``."""
-    try:
-        return _REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}: choose one of {available_rewards()}") from None
+    return _REWARDS.get(name)
 
 
 def _last_boxed(text: str) -> str | None:
