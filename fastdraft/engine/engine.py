@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastdraft.engine.buckets import BucketPlan
+from fastdraft.engine.capture import HiddenSink, emit_records
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
@@ -48,21 +49,22 @@ class RolloutEngine:
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
                  spec: SpecConfig | None = None, compile: bool = False,
-                 graphs: bool | None = None, buckets: BucketPlan | None = None) -> None:
+                 graphs: bool | None = None, buckets: BucketPlan | None = None,
+                 capture_aux_layers: tuple[int, ...] = ()) -> None:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         envelope = Envelope.for_spec(max_seq_len or 4096, spec or SpecConfig())
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    _generation_eos(Path(model_path)), drafter, spec or SpecConfig(), compile,
-                   graphs, buckets)
+                   graphs, buckets, capture_aux_layers=capture_aux_layers)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
                    max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
                    spec: SpecConfig | None = None, compile: bool = False,
                    graphs: bool | None = None, buckets: BucketPlan | None = None,
-                   proposer: Proposer | None = None, share_weights: bool = False
-                   ) -> RolloutEngine:
+                   proposer: Proposer | None = None, share_weights: bool = False,
+                   capture_aux_layers: tuple[int, ...] = ()) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -81,13 +83,14 @@ class RolloutEngine:
             model = copy.deepcopy(model)
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
-                     spec, compile, graphs, buckets, proposer)
+                     spec, compile, graphs, buckets, proposer, capture_aux_layers)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
               max_prefill_tokens: int, extra_eos: tuple[int, ...], drafter: str | Path | None,
               spec: SpecConfig, compile: bool = False, graphs: bool | None = None,
-              buckets: BucketPlan | None = None, proposer: Proposer | None = None) -> None:
+              buckets: BucketPlan | None = None, proposer: Proposer | None = None,
+              capture_aux_layers: tuple[int, ...] = ()) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
@@ -100,6 +103,11 @@ class RolloutEngine:
         self.runner = ModelRunner(model, envelope, max_batch_size, compile)
         self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
                                                             envelope, compile)
+        # One set of aux layers per forward serves the proposer and the hidden-state capture.
+        self.capture_aux_layers = tuple(capture_aux_layers)
+        self.aux_layers = _aux_layers(self.proposer.aux_layers, self.capture_aux_layers,
+                                      self.config.num_hidden_layers)
+        self.hidden_sink: HiddenSink | None = None  # set for the length of a generate call
         device = self.runner.device
         self.graphs = GraphPool(device, graphs)
         self.buckets = buckets or BucketPlan.build(max_batch_size, envelope.cache_len,
@@ -108,7 +116,7 @@ class RolloutEngine:
         # device there. Captured graphs (and CUDA) never do (tests switch this off to check).
         self.eager_shortcuts = device.type == "cpu" and not self.graphs.enabled
         self.io = StepIO(max_batch_size, envelope, self.config.hidden_size,
-                         len(self.proposer.aux_layers), self.config.vocab_size, device,
+                         len(self.aux_layers), self.config.vocab_size, device,
                          self.runner.dtype)
         self.policy_version = 0
         self.drafter_version: int | None = 0 if spec.method != "none" else None
@@ -119,10 +127,11 @@ class RolloutEngine:
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
-                 on_finish: OnFinish | None = None,
+                 on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,
                  use_tqdm: bool | None = None) -> list[Completion]:
         """Generates one completion per prompt; returns them in prompt order. Aggregated spec
-        statistics of the call are in `engine.last_stats`."""
+        statistics of the call are in `engine.last_stats`. on_hidden receives the policy's
+        hidden states of every committed token (engine/capture.py), step by step."""
         requests = self._make_requests(prompt_token_ids, params)
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens)
         for request in requests:
@@ -132,6 +141,7 @@ class RolloutEngine:
         show = use_tqdm if use_tqdm is not None else len(requests) >= 64
         results: list[Completion | None] = [None] * len(requests)
         unfinished = len(requests)
+        self.hidden_sink = on_hidden
         with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
             while scheduler.has_work:
                 trace.record(unfinished)
@@ -145,6 +155,7 @@ class RolloutEngine:
                     bar.update(1)
                     if on_finish is not None:
                         on_finish(completion)
+        self.hidden_sink = None
         trace.finish()
         return [c for c in results if c is not None]
 
@@ -192,7 +203,7 @@ class RolloutEngine:
         requests, start = batch.requests, batch.slot_start
         self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
         logits, hidden = self.runner.prefill([r.prompt_token_ids for r in requests], start,
-                                             self.proposer.aux_layers)
+                                             self.aux_layers)
         st = self.io.sampling.tensors.rows(start, start + len(requests))
         mode = SamplingMode.of(requests)
         uniforms = None
@@ -204,8 +215,13 @@ class RolloutEngine:
         if self.spec.enabled:
             self.proposer.on_prefill(requests, hidden, start, tokens)
         rows = torch.stack([tokens.double(), logprobs.double()], 1).tolist()
-        return self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
-                                 [[lp] for _, lp in rows])
+        finished = self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
+                                     [[lp] for _, lp in rows])
+        if self.hidden_sink is not None:  # every prompt position, paired with the next token
+            self._capture(requests, [0] * len(requests),
+                          [r.prompt_token_ids[1:] + r.output_token_ids[:1] for r in requests],
+                          hidden.final, hidden.aux)
+        return finished
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         requests = batch.requests
@@ -215,18 +231,27 @@ class RolloutEngine:
         # Every row ends at the last cell and none is padding: no mask needed (exact buckets).
         sees_all = size == len(requests) and min(lengths) == ctx_len
         mode = SamplingMode.of(requests)
+        capture = self.hidden_sink is not None
         self.io.load([r.last_token_id for r in requests], [n - 1 for n in lengths], size)
-        self.graphs.run(("decode", size, ctx_len, mode, sees_all),
-                        lambda: self._decode_stage(size, ctx_len, mode, sees_all))
+        self.graphs.run(("decode", size, ctx_len, mode, sees_all, capture),
+                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, capture))
         rows = self.io.read_out(len(requests))
-        return self._postprocess(scheduler, batch, [[int(r[0])] for r in rows],
-                                 [[r[1]] for r in rows])
+        num_before = [len(r.output_token_ids) for r in requests]
+        finished = self._postprocess(scheduler, batch, [[int(r[0])] for r in rows],
+                                     [[r[1]] for r in rows])
+        if capture:
+            self._capture_commits(requests, num_before)
+        return finished
 
     def _decode_stage(self, size: int, ctx_len: int, mode: SamplingMode,
-                      sees_all: bool = False) -> None:
+                      sees_all: bool = False, capture: bool = False) -> None:
         io = self.io
         positions = io.root_pos[:size]
-        logits = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all)
+        logits, hidden = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all,
+                                            self.aux_layers if capture else ())
+        if capture:
+            for dst, src in zip((io.commit_final, *io.commit_aux), (hidden.final, *hidden.aux)):
+                dst[:size, :1] = src
         st = io.sampling.rows(size)
         uniforms = None if mode is SamplingMode.GREEDY else uniform_keyed(
             st.key(Stream.SAMPLE), (positions + 1).unsqueeze(1)).squeeze(1)
@@ -252,9 +277,11 @@ class RolloutEngine:
             drafts = proposer.propose(requests, cfg)
             sampled_drafts = drafts.parent_probs is not None
             io.drafts.store(drafts, size, width)
-        self.graphs.run(("verify", size, ctx_len, width, cfg.depth, mode, sampled_drafts),
+        capture = self.hidden_sink is not None
+        self.graphs.run(("verify", size, ctx_len, width, cfg.depth, mode, sampled_drafts,
+                         capture),
                         lambda: self._verify_stage(size, ctx_len, width, cfg.depth, mode,
-                                                   sampled_drafts))
+                                                   sampled_drafts, capture))
         if proposer.drafts_on_device:
             self.graphs.run(("commit", size, ctx_len), lambda: proposer.commit(io, size, ctx_len))
         rows = io.read_out(len(requests))
@@ -270,16 +297,18 @@ class RolloutEngine:
             kept = min(int(row[0]), len(r.output_token_ids) - before)
             r.spec.record(int(row[1]), int(row[2]),
                           [int(s) for s in row[3 + 2 * w: 3 + 2 * w + kept]])
+        if capture:
+            self._capture_commits(requests, num_before)
         return finished
 
     def _verify_stage(self, size: int, ctx_len: int, width: int, depth: int,
-                      mode: SamplingMode, sampled_drafts: bool) -> None:
+                      mode: SamplingMode, sampled_drafts: bool, capture: bool = False) -> None:
         io = self.io
         assert io.drafts is not None
         drafts = io.drafts.view(size, width, sampled_drafts)
         root_pos = io.root_pos[:size]
         logits, hidden = self.runner.verify(io.root_ids[:size], root_pos, drafts, ctx_len,
-                                            self.proposer.aux_layers)
+                                            self.aux_layers)
         st = io.sampling.rows(size)
         if mode is SamplingMode.GREEDY:
             acc = accept_greedy(drafts, logits, depth)
@@ -290,13 +319,13 @@ class RolloutEngine:
             acc = accept_sampled(drafts, logits, st, node_u, bonus_u, depth, mode.needs_filter,
                                  stop_early=self.eager_shortcuts)
         self.runner.compact(root_pos, acc)
-        # The drafter's commit: the accepted tokens + bonus and the policy's hidden states of
-        # the tokens before them (the root, then each accepted node).
+        # The drafter's commit (and the capture): the accepted tokens + bonus and the policy's
+        # hidden states of the tokens before them (the root, then each accepted node).
         cols = depth + 1
         io.accepted_ids[:size, :cols] = acc.token_ids
         io.accepted_ids[:size, cols:] = 0
         io.num_accepted[:size] = acc.num_accepted
-        if self.proposer.drafts_on_device:
+        if self.proposer.drafts_on_device or capture:
             rows = torch.cat([torch.zeros_like(root_pos).unsqueeze(1), (acc.path + 1).clamp_min(0)],
                              1).unsqueeze(-1)
             for dst, src in zip((io.commit_final, *io.commit_aux),
@@ -330,6 +359,20 @@ class RolloutEngine:
         return finished
 
     # ------------------------------------------------------------------------------- helpers
+    def _capture_commits(self, requests: list[Request], num_before: list[int]) -> None:
+        """A decode or verify step's commits: row i's hidden states sit in io.commit_final
+        (the root's first), paired with the tokens the request kept."""
+        self._capture(requests, [len(r.prompt_token_ids) + before - 1
+                                 for r, before in zip(requests, num_before)],
+                      [r.output_token_ids[before:] for r, before in zip(requests, num_before)],
+                      self.io.commit_final, self.io.commit_aux)
+
+    def _capture(self, requests: list[Request], starts: list[int], kept: list[list[int]],
+                 final: torch.Tensor, aux: tuple[torch.Tensor, ...]) -> None:
+        assert self.hidden_sink is not None
+        emit_records(self.hidden_sink, [r.index for r in requests], starts, kept, final,
+                     aux if self.capture_aux_layers else (), self.policy_version)
+
     def _make_requests(self, prompts: list[list[int]],
                        params: SamplingParams | list[SamplingParams] | None) -> list[Request]:
         """Checks every prompt before any work starts, so bad input loses nothing."""
@@ -355,6 +398,18 @@ class RolloutEngine:
             seed = 0 if p.is_greedy else seed_of(p.seed, i)
             requests.append(Request(i, prompt, p, stop, self.max_seq_len, seed))
         return requests
+
+
+def _aux_layers(proposer: tuple[int, ...], capture: tuple[int, ...], num_layers: int
+                ) -> tuple[int, ...]:
+    """The aux layers every forward computes: the proposer's (EAGLE-3) or the capture's."""
+    if any(not 0 <= i < num_layers for i in capture):
+        raise ValueError(f"capture_aux_layers={capture}: layer indices must be in "
+                         f"[0, {num_layers})")
+    if proposer and capture and proposer != capture:
+        raise ValueError(f"capture_aux_layers={capture} differ from the drafter's aux layers "
+                         f"{proposer}: one forward computes one set; capture the drafter's")
+    return proposer or capture
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

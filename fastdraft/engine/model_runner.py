@@ -61,15 +61,17 @@ class ModelRunner:
         return logits[:, 0], hidden
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
-               sees_all: bool = False) -> torch.Tensor:
-        """token_ids, positions [B] of slots 0..B-1 -> logits [B, V]; ctx_len: a bucket above
-        every row's position. sees_all: the caller knows every row sits at ctx_len - 1 (no
-        padding): attention then runs without a mask."""
+               sees_all: bool = False, aux_layers: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, HiddenStates]:
+        """token_ids, positions [B] of slots 0..B-1 -> (logits [B, V], hidden [B, 1, H]);
+        ctx_len: a bucket above every row's position. sees_all: the caller knows every row sits
+        at ctx_len - 1 (no padding): attention then runs without a mask."""
         pos = positions.unsqueeze(1)
         attn = (AttnMeta(None, cache_positions=pos, cache_len=ctx_len) if sees_all
                 else causal_cache_meta(pos, ctx_len))
-        logits, _ = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, pos.shape[0]), attn)
-        return logits[:, 0]
+        logits, hidden = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, pos.shape[0]),
+                                      attn, aux_layers=aux_layers)
+        return logits[:, 0], hidden
 
     def verify(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
                ctx_len: int, aux_layers: tuple[int, ...] = ()

@@ -53,12 +53,12 @@ class StepIO:
         self.out = torch.zeros(max_batch, 3 + 3 * width, dtype=torch.float64, device=device)
         self.drafts = (DraftBuffers(max_batch, envelope.max_tree_nodes, vocab_size, device)
                        if envelope.max_tree_nodes else None)
-        # What a speculative step hands the drafter's commit: the accepted tokens + bonus and
-        # the policy's hidden states of the tokens before them.
+        # What a step hands the drafter's commit and the hidden-state capture: the accepted
+        # tokens + bonus and the policy's hidden states of the tokens before them.
         self.accepted_ids = torch.zeros(max_batch, width, dtype=torch.long, device=device)
         self.num_accepted = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.commit_final = torch.zeros(max_batch, width, hidden_size, dtype=dtype,
-                                        device=device) if self.drafts is not None else None
+                                        device=device)
         self.commit_aux = tuple(torch.zeros(max_batch, width, hidden_size, dtype=dtype,
                                             device=device) for _ in range(num_aux))
 

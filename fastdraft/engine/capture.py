@@ -1,0 +1,65 @@
+"""Hidden-state capture: the policy's hidden states of every committed token, on every path
+(prefill, plain decode, speculative verify), handed to one engine-level sink per generate call.
+The online drafter trainer's DataBuffer is its consumer; proposers never see it.
+
+Pairing (EAGLE's): `final[j]` is the policy's hidden state at position `positions[j]`, and
+`token_ids[j]` is the token committed at `positions[j] + 1`, the one sampled (or accepted) from
+the distribution that hidden state produced. A request's records, in order, cover positions
+0 .. L - 2 of its prompt + answer (L tokens) and tokens 1 .. L - 1: its last token, the EOS
+included, arrives in the record of the step that committed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenRecord:
+    """One request's commits of one engine step; tensors on the host, `dtype` of the capture."""
+
+    request_index: int               # the prompt's index in the generate() call
+    policy_version: int
+    positions: torch.Tensor          # [n] long: positions of the hidden states
+    token_ids: torch.Tensor          # [n] long: the token committed at positions + 1
+    final: torch.Tensor              # [n, H]: final (normed) hidden states
+    aux: tuple[torch.Tensor, ...]    # each [n, H]: inputs of the capture's aux layers
+
+    def __post_init__(self) -> None:
+        n = self.positions.shape[0]
+        if self.token_ids.shape != (n,) or self.final.shape[0] != n or any(
+                a.shape != self.final.shape for a in self.aux):
+            raise ValueError(f"HiddenRecord of request {self.request_index}: positions, token "
+                             "ids, final and aux hidden states must have one row per token")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.positions, self.token_ids, self.final, *self.aux))
+
+
+HiddenSink = Callable[[HiddenRecord], None]
+
+
+def emit_records(sink: HiddenSink, request_indices: list[int], start_positions: list[int],
+                 kept: list[list[int]], final: torch.Tensor, aux: tuple[torch.Tensor, ...],
+                 policy_version: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Hands the sink one record per row with commits: row i kept the tokens kept[i] (after
+    stop tokens and length limits cut its path), paired with final[i, :len(kept[i])] ([B, W, H]
+    device tensors, W >= every count). The rows are gathered and copied to the host once, then
+    cloned per record, so no record holds the step's device activations or the others' rows."""
+    width = max((len(k) for k in kept), default=0)
+    if not width:
+        return
+    host = [t[: len(kept), :width].to("cpu", dtype) for t in (final, *aux)]
+    for row, (index, start, tokens) in enumerate(zip(request_indices, start_positions, kept)):
+        n = len(tokens)
+        if not n:
+            continue
+        sink(HiddenRecord(
+            request_index=index, policy_version=policy_version,
+            positions=torch.arange(start, start + n), token_ids=torch.tensor(tokens),
+            final=host[0][row, :n].clone(), aux=tuple(h[row, :n].clone() for h in host[1:])))
