@@ -1,0 +1,1 @@
+"""The online drafter trainer: losses over captured hidden states (losses.py)."""

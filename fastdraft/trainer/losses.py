@@ -1,0 +1,132 @@
+"""Online drafter losses, registered by name; each maps (drafter, batch, the policy's lm_head)
+to (loss, metrics with top1_acc and top3_acc). They reuse the warm-up's unrolled loss
+(drafter/losses.py), so offline warm-up and online training optimise the same thing.
+
+- "eagle1": 1.0 * SmoothL1(f^, f) + 0.1 * soft-CE per unrolled step (HASS-style steps).
+- "eagle3": soft-CE with the training-time test.
+- "reward_kd" (ReSpec): w(r) * sum_t KL(p(.|x, y<t) || q(.|x, y<t)) per sample, w from the
+  sample's reward (`reward_weights`), over the drafter kind's unrolled steps. Gradients equal
+  those of the w-weighted soft-CE (p's entropy is a constant); the metrics report the KL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastdraft.drafter.base import Drafter
+from fastdraft.drafter.losses import (
+    DEFAULT_NUM_STEPS,
+    Metrics,
+    eagle1_loss,
+    eagle3_loss,
+    unrolled_loss,
+)
+from fastdraft.models import HiddenStates
+from fastdraft.utils.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBatch:
+    """Sequences (padded rows, or packed rows with `segments`) and the policy's hidden states.
+
+    input_ids [B, T]; hidden: final [B, T, H] (+ aux); valid [B, T] bool: tokens that may be
+    scored (answer tokens); rewards [N] of the N samples, or None; segments [B, T] long: the
+    sample index (into rewards) of each token (padded rows: row b is sample b, use
+    `DraftBatch.padded`); positions [B, T]: per-sequence positions (None: 0..T-1)."""
+
+    input_ids: torch.Tensor
+    hidden: HiddenStates
+    valid: torch.Tensor
+    rewards: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if self.valid.shape != shape or self.hidden.final.shape[:2] != shape:
+            raise ValueError(f"DraftBatch: input_ids {tuple(shape)}, valid "
+                             f"{tuple(self.valid.shape)} and hidden "
+                             f"{tuple(self.hidden.final.shape)} must agree on [B, T]")
+        for name in ("segments", "positions"):
+            value = getattr(self, name)
+            if value is not None and value.shape != shape:
+                raise ValueError(f"DraftBatch.{name} must be [B, T] like input_ids")
+
+    def sample_of_token(self) -> torch.Tensor:
+        """[B, T] long: which sample each token belongs to."""
+        if self.segments is not None:
+            return self.segments
+        return torch.arange(self.input_ids.shape[0]).view(-1, 1).expand_as(self.input_ids)
+
+
+DrafterLoss = Callable[..., tuple[torch.Tensor, Metrics]]
+_LOSSES: Registry[DrafterLoss] = Registry("drafter loss")
+register_drafter_loss = _LOSSES.register
+
+
+def drafter_loss_names() -> list[str]:
+    return _LOSSES.names()
+
+
+def compute_drafter_loss(name: str, drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
+                         **options: float) -> tuple[torch.Tensor, Metrics]:
+    return _LOSSES.get(name)(drafter, batch, lm_head, **options)
+
+
+def reward_weights(rewards: torch.Tensor, floor: float = 0.1, max_weight: float = 3.0
+                   ) -> torch.Tensor:
+    """[N] rewards -> [N] weights w(r) > 0: (max(r, 0) + floor) normalised to mean 1 over the
+    batch, then clipped to max_weight. w(r) = r (ReSpec's default) would drop every wrong
+    answer entirely; the floor keeps them at a small weight, since the drafter must still
+    draft what the policy samples there."""
+    if floor <= 0 or max_weight <= 0:
+        raise ValueError(f"reward_weights: floor={floor} and max_weight={max_weight} must be > 0")
+    raw = rewards.float().clamp_min(0) + floor
+    return (raw / raw.mean()).clamp_max(max_weight)
+
+
+def _packing(batch: DraftBatch) -> dict[str, torch.Tensor | None]:
+    return {"segments": batch.segments, "positions": batch.positions}
+
+
+def _kind_check(drafter: Drafter, kind: str) -> None:
+    if drafter.kind != kind:
+        raise ValueError(f"drafter loss {kind!r} trains an {kind} drafter, not {drafter.kind}: "
+                         f"use drafter loss {drafter.kind!r} or 'reward_kd'")
+
+
+@register_drafter_loss("eagle1")
+def eagle1(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
+           num_steps: int = DEFAULT_NUM_STEPS["eagle1"]) -> tuple[torch.Tensor, Metrics]:
+    _kind_check(drafter, "eagle1")
+    return eagle1_loss(drafter, batch.input_ids, batch.hidden, batch.valid, lm_head,
+                       num_steps=num_steps, **_packing(batch))
+
+
+@register_drafter_loss("eagle3")
+def eagle3(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
+           num_steps: int = DEFAULT_NUM_STEPS["eagle3"]) -> tuple[torch.Tensor, Metrics]:
+    _kind_check(drafter, "eagle3")
+    return eagle3_loss(drafter, batch.input_ids, batch.hidden, batch.valid, lm_head,
+                       num_steps=num_steps, **_packing(batch))
+
+
+@register_drafter_loss("reward_kd")
+def reward_kd(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
+              num_steps: int | None = None, floor: float = 0.1, max_weight: float = 3.0
+              ) -> tuple[torch.Tensor, Metrics]:
+    if batch.rewards is None:
+        raise ValueError("drafter loss 'reward_kd' needs every sample's reward (batch.rewards)")
+    per_sample = reward_weights(batch.rewards, floor, max_weight)
+    weights = per_sample[batch.sample_of_token()]
+    loss, metrics = unrolled_loss(
+        drafter, batch.input_ids, batch.hidden, batch.valid, lm_head, weights,
+        DEFAULT_NUM_STEPS[drafter.kind] if num_steps is None else num_steps,
+        regression_weight=0.0, ce_weight=1.0, **_packing(batch))
+    metrics.update(kl=metrics["kl_0"], weight_min=float(per_sample.min()),
+                   weight_max=float(per_sample.max()))
+    return loss, metrics
