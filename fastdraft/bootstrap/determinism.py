@@ -25,11 +25,12 @@ last bits of a GEMM and a few hundred optimiser steps amplify that into differen
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from fastdraft.utils.digest import tensor_digest
 
 
 @contextmanager
@@ -59,12 +60,7 @@ def deterministic_cpu(num_threads: int) -> Iterator[None]:
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 (first 16 hex digits) of every parameter's name, dtype, shape and bytes, in name
     order; tied parameters count once. Equal digests mean bit-identical weights."""
-    sha = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        tensor = param.detach().cpu().contiguous()
-        sha.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        sha.update(tensor.view(torch.uint8).numpy().tobytes())
-    return sha.hexdigest()[:16]
+    return tensor_digest(sorted(model.named_parameters(), key=lambda item: item[0]))
 
 
 def runtime_info() -> dict[str, str]:

@@ -132,14 +132,49 @@ class ActorConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OnlineDrafterConfig:
+    """Online drafter training (fastdraft/trainer/) during the run.
+
+    loss: eagle1 | eagle3 | reward_kd (trainer/losses.py); lr; token_budget: tokens per packed
+    micro-batch; buffer_mb: the DataBuffer's capacity; offset_mix: share of each micro-batch
+    given to the previous step's longest samples; tail_fraction: the trainer starts once fewer
+    than this share of the rollout's requests still run; during_update: it also trains while
+    the actor updates; num_threads: torch intra-op threads of the trainer's process;
+    refresh: every_step (publish after each step) or on_drop (only once the measured accept
+    length fell by refresh_drop below the last published drafter's first step)."""
+
+    enabled: bool = False
+    loss: str = "eagle1"
+    lr: float = 3e-4
+    token_budget: int = 2048
+    buffer_mb: float = 256.0
+    offset_mix: float = 0.5
+    tail_fraction: float = 0.5
+    during_update: bool = True
+    num_threads: int = 1
+    refresh: str = "every_step"
+    refresh_drop: float = 0.3
+
+    def __post_init__(self) -> None:
+        _require(self.refresh in ("every_step", "on_drop"),
+                 f"drafter.online.refresh must be every_step or on_drop, got {self.refresh!r}")
+        _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
+        _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
+                 "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
+        _require(self.num_threads >= 1, "drafter.online.num_threads must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DrafterConfig:
     """path: a drafter directory (`fastdraft drafter warmup`); None with the bootstrap policy
-    warms one up (cached) with warmup_steps steps on warmup_rollouts rollouts."""
+    warms one up (cached) with warmup_steps steps on warmup_rollouts rollouts. online: train it
+    during the run."""
 
     path: str | None = None
     kind: str = "eagle1"
     warmup_steps: int = 4000
     warmup_rollouts: int = 2048
+    online: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

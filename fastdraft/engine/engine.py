@@ -36,6 +36,7 @@ from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.models import CausalLM, load_model, load_named_tensors
+from fastdraft.utils.digest import tensor_digest
 
 OnFinish = Callable[[Completion], None]
 
@@ -123,6 +124,7 @@ class RolloutEngine:
         self.rl_step = 0
         self.last_stats = SpecStats()
         self.last_trace = RolloutTrace()
+        self.fallback_reason: str | None = None
 
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
@@ -168,14 +170,29 @@ class RolloutEngine:
         return self.policy_version
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None) -> int:
-        """Updates the drafter's trainable tensors in place; returns the new drafter version."""
+                             version: int | None = None, checksum: str | None = None) -> int:
+        """Updates the drafter's trainable tensors in place; returns the new drafter version.
+        checksum (utils/digest.tensor_digest of the tensors, as published): checked before
+        anything is loaded, so a corrupted drafter never reaches the engine."""
         drafter = getattr(self.proposer, "drafter", None)
         if drafter is None or not isinstance(drafter, torch.nn.Module):
             raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
+        named_tensors = list(named_tensors)
+        if checksum is not None and (got := tensor_digest(named_tensors)) != checksum:
+            raise ValueError(f"drafter version {version}: checksum {got} of the received "
+                             f"tensors is not the published {checksum}; the drafter was not "
+                             "loaded")
         load_named_tensors(drafter, named_tensors)
         self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
         return self.drafter_version
+
+    def fall_back_to_plain(self, reason: str) -> None:
+        """From the next generate call on, decode without speculation (a broken or collapsed
+        drafter must never make rollouts slower than plain decoding); `fallback_reason` says
+        why. Outputs keep the policy's law either way."""
+        self.spec = SpecConfig(method="none")
+        self.drafter_version = None
+        self.fallback_reason = reason
 
     def advance_step(self) -> None:
         """Marks the end of an RL step (model-free drafters slide their rollout window)."""

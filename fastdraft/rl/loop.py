@@ -28,11 +28,13 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     """One GRPO step; returns (and logs) its metrics."""
     cfg, timer = run.cfg, _Timer()
     items = run.prompts.batch(step, cfg.rollout.prompts_per_step)
+    group = cfg.rollout.group_size
+    run.drafter.start_rollout(step, len(items) * group, run.engine)  # trains in the tail
     completions = rollout(run, step, [it.ids for it in items])
     timer.lap("rollout")
-    group = cfg.rollout.group_size
     rewards = [run.prompts.score(items[i // group], run.decode(c.token_ids))
                for i, c in enumerate(completions)]
+    run.drafter.end_rollout(rewards)
     advantages, weights = run.algorithm.advantages(rewards, group)
     # Samples of skipped (zero-variance) groups carry no gradient: they leave the batch, so the
     # update costs only what it learns from (DAPO's dynamic sampling, without the resampling).
@@ -44,14 +46,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     timer.lap("reward")
     gate: dict[str, float] = {}   # the lossless gate, on the first update's forward pass
     objective = run.algorithm.objective(batch, run.reference)
+    run.drafter.start_update()   # the drafter trains beside the actor
     for i in range(cfg.actor.updates_per_step):  # > 1: PPO epochs over the same rollout
         update = run.actor.update(batch, objective, cfg.rollout.temperature,
                                   before_step=None if i else _gate(
                                       batch, run.logprob_tolerance, gate, step))
+    run.drafter.end_update()
     timer.lap("update")
     run.engine.load_weights(run.actor.named_parameters())
+    rollout_metrics = run.rollout_metrics(completions, rewards)
+    drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(
+        "rollout/accept_length"))   # health check, then the new drafter into the engine
     timer.lap("push")
-    metrics = {**run.rollout_metrics(completions, rewards), **gate, **update.metrics,
+    metrics = {**rollout_metrics, **drafter_metrics, **gate, **update.metrics,
                "actor/trained_samples": float(len(keep)),
                **timer.metrics(), "timing/last_checkpoint_s": run.last_checkpoint_s,
                "policy/version": float(run.engine.policy_version)}
@@ -71,7 +78,8 @@ def rollout(run: Run, step: int, prompts: list[list[int]]) -> list[Completion]:
                             max_new_tokens=cfg.max_new_tokens,
                             seed=run.cfg.seed * 1_000_003 + step * len(prompts) * group)
     return run.engine.generate([p for p in prompts for _ in range(group)], params,
-                               on_finish=run.on_finish, use_tqdm=False)
+                               on_finish=run.on_finish, on_hidden=run.drafter.on_hidden,
+                               use_tqdm=False)
 
 
 def _gate(batch: SequenceBatch, tolerance: float, into: dict[str, float], step: int

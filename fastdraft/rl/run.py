@@ -22,6 +22,7 @@ from fastdraft.rl.dashboard import draw_dashboard
 from fastdraft.rl.gate import DEFAULT_TOLERANCE
 from fastdraft.rl.metrics import MetricsLogger
 from fastdraft.rl.objective import Algorithm
+from fastdraft.rl.online_drafter import FixedDrafter, OnlineDrafter
 from fastdraft.rl.prompts import PromptSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,7 +76,10 @@ class Run:
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
         # Callbacks on every finished rollout (the online drafter trainer listens here).
-        self.on_finish_hooks: list[Callable[[Completion], None]] = []
+        self.drafter: OnlineDrafter | FixedDrafter = FixedDrafter()
+        if cfg.drafter.online.enabled:
+            self.drafter = OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed)
+        self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         self.last_checkpoint_s = 0.0
 
     def on_finish(self, completion: Completion) -> None:
@@ -109,6 +113,7 @@ class Run:
         self.last_checkpoint_s = time.perf_counter() - start
 
     def finish(self) -> None:
+        self.drafter.close()
         self.checkpoints.close()
         self.logger.close()
         if self.cfg.logging.dashboard:

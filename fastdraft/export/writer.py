@@ -1,0 +1,107 @@
+"""export_drafter: a trained fastdraft drafter -> directories SGLang and vLLM load unchanged.
+
+Each directory is staged in a temp dir, checked against the engines' loading rules, and only
+then renamed into place: a failed or killed export leaves any previous export untouched."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from fastdraft.export.check import check_export
+from fastdraft.export.engine_config import engine_config
+from fastdraft.export.formats import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Engine,
+    architecture_for,
+    export_dirs,
+)
+from fastdraft.export.names import to_engine_names
+from fastdraft.export.sources import (
+    DrafterCheckpoint,
+    check_fits_policy,
+    read_drafter_checkpoint,
+    read_policy_lm_head,
+)
+from fastdraft.export.vocab import (
+    draft_to_target_offsets,
+    reduced_draft_token_ids,
+    target_membership,
+)
+from fastdraft.models import ModelConfig
+from fastdraft.utils.atomic import atomic_dir, fsync_tree
+
+# The dtype both engines run drafters in. Writing it (rather than the checkpoint's float32)
+# halves the files and makes what the engine runs exactly what was checked.
+EXPORT_DTYPE = torch.bfloat16
+
+
+def export_drafter(drafter_dir: str | Path, policy_dir: str | Path, out_dir: str | Path,
+                   fmt: str) -> list[Path]:
+    """Writes the drafter at `drafter_dir` (saved by save_drafter for the policy at
+    `policy_dir`) for the engines `fmt` names ("sglang", "vllm" or "all"); returns the
+    directories written, each one an engine's --speculative-draft-model-path.
+
+    EAGLE-1 gets `out_dir/sglang` and/or `out_dir/vllm` (the engines disagree on fc.bias and
+    the architecture name); EAGLE-3 gets `out_dir` itself, which both engines load. Each
+    directory is replaced as a whole, so it must not exist, be empty, or hold an earlier export.
+    Every directory is checked with check_export before it is published."""
+    ckpt = read_drafter_checkpoint(drafter_dir)
+    policy = ModelConfig.from_pretrained(policy_dir)
+    check_fits_policy(ckpt, policy)
+    targets = export_dirs(out_dir, ckpt.kind, fmt)
+    for final in targets:
+        _refuse_to_clobber(final)
+    draft_ids = reduced_draft_token_ids(ckpt.draft_token_ids, policy.vocab_size)
+    lm_head = read_policy_lm_head(policy_dir, policy) if ckpt.kind == "eagle3" else None
+    # Build every variant before writing any, so a drafter that cannot be exported leaves no trace.
+    variants = {final: _build_variant(ckpt, policy, engines[0], lm_head, draft_ids)
+                for final, engines in targets.items()}
+    with ExitStack() as staged:  # publishes all on a clean exit, none on an error
+        for final, engines in targets.items():
+            tmp = staged.enter_context(atomic_dir(final))
+            tensors, config = variants[final]
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            check_export(tmp, "all" if len(engines) > 1 else engines[0], ckpt.kind,
+                         expected_draft_token_ids=draft_ids)
+            fsync_tree(tmp)
+    return list(targets)
+
+
+def _build_variant(ckpt: DrafterCheckpoint, policy: ModelConfig, engine: Engine,
+                   lm_head: torch.Tensor | None, draft_ids: torch.Tensor | None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, config.json) of the directory `engine` loads."""
+    architecture = architecture_for(ckpt.kind, engine, policy.model_type)
+    tensors = to_engine_names(ckpt.kind, architecture, ckpt.tensors)
+    if ckpt.kind == "eagle1" and engine == "sglang":
+        # SGLang's fc always has a bias; zeros keep fastdraft's bias-free fc exactly.
+        tensors["fc.bias"] = torch.zeros(policy.hidden_size)
+    if ckpt.kind == "eagle3":
+        assert lm_head is not None
+        # fastdraft drafters borrow the target's lm_head; EAGLE-3 engines read the drafter's
+        # own, over the draft vocabulary in draft order.
+        tensors["lm_head.weight"] = lm_head if draft_ids is None else lm_head[draft_ids]
+        if draft_ids is not None:
+            tensors["d2t"] = draft_to_target_offsets(draft_ids)
+            tensors["t2d"] = target_membership(draft_ids, policy.vocab_size)
+    tensors = {n: (t.to(EXPORT_DTYPE) if t.is_floating_point() else t).contiguous()
+               for n, t in tensors.items()}
+    config = engine_config(policy, architecture, tensors,
+                           None if draft_ids is None else len(draft_ids))
+    return tensors, config
+
+
+def _refuse_to_clobber(final: Path) -> None:
+    """The directory is replaced as a whole: never take a user's unrelated files with it."""
+    if final.exists() and (not final.is_dir() or (
+            any(final.iterdir()) and not (final / CONFIG_FILE).is_file())):
+        raise ValueError(f"{final} exists and is not an earlier export (no {CONFIG_FILE}); "
+                         "export replaces it as a whole: choose another out_dir or remove it")

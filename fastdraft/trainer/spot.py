@@ -1,0 +1,171 @@
+"""SpotTrainer: trains the drafter from the DataBuffer in preemptible bursts, on compute the
+rollout leaves idle, and publishes versioned, checksummed weights for the engine.
+
+`run(stop)` takes one micro-step at a time (sample a packed batch, one optimizer step) and
+checks `stop` between them, so it returns within one micro-step of `stop` being set; the time
+from `stop` to return is recorded (`preemption_latencies_s`). It never touches the engine: the
+loop publishes at a step boundary. The trainer scores the drafter against its own copy of the
+policy's embedding and lm_head (`sync_policy`, at each step boundary), never the actor's live
+tensors, so an optimizer step of the actor cannot race with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastdraft.databuffer import DataBuffer, PackedBatch
+from fastdraft.drafter.base import Drafter
+from fastdraft.drafter.checkpoint import trainable_named_tensors
+from fastdraft.trainer.losses import DraftBatch, compute_drafter_loss
+from fastdraft.utils.digest import tensor_digest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpotConfig:
+    """loss: a registered drafter loss (trainer/losses.py); token_budget: tokens per packed
+    micro-batch; num_steps: unrolled steps of the loss (None: the drafter kind's default)."""
+
+    loss: str = "eagle1"
+    lr: float = 3e-4
+    token_budget: int = 2048
+    grad_clip: float = 1.0
+    num_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.token_budget < 2 or self.grad_clip <= 0:
+            raise ValueError("drafter online training: lr and grad_clip must be > 0 and "
+                             "token_budget >= 2")
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    version: int
+    checksum: str
+    tensors: list[tuple[str, torch.Tensor]]   # trainable tensors only, host copies
+
+
+@dataclass(slots=True)
+class SpotStats:
+    steps: int = 0
+    tokens: int = 0
+    preemptions: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+    preemption_latencies_s: list[float] = field(default_factory=list)
+
+
+class PolicyHead(nn.Module):
+    """The policy's embedding and lm_head, all a drafter borrows (Drafter.attach reads them),
+    as frozen copies."""
+
+    def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding.from_pretrained(embed.detach().clone())
+        self.lm_head = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+        self.lm_head.weight = (self.model.embed_tokens.weight if lm_head is None else
+                               nn.Parameter(lm_head.detach().clone(), requires_grad=False))
+        self.requires_grad_(False)
+
+    @classmethod
+    def of(cls, policy: nn.Module) -> PolicyHead:
+        tied = policy.config.tie_word_embeddings
+        return cls(policy.config, policy.model.embed_tokens.weight,
+                   None if tied else policy.lm_head.weight)
+
+
+class SpotTrainer:
+    def __init__(self, drafter: Drafter, head: PolicyHead, buffer: DataBuffer,
+                 cfg: SpotConfig = SpotConfig()) -> None:
+        self.cfg, self.buffer = cfg, buffer
+        self.head = head
+        self.drafter = copy.deepcopy(drafter).attach(self.head).train()  # type: ignore[arg-type]
+        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0)
+        self.version = 0
+        self.stats = SpotStats()
+        self._lock = threading.Lock()   # one micro-step at a time vs publish / sync
+
+    def sync_policy(self, named_tensors) -> None:
+        """The policy the next rollout samples from: its embedding and lm_head (HF names)."""
+        wanted = {"model.embed_tokens.weight": self.head.model.embed_tokens.weight,
+                  "lm_head.weight": self.head.lm_head.weight}
+        with self._lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in wanted:
+                    wanted[name].copy_(tensor.detach())
+
+    def run(self, stop: threading.Event, max_steps: int | None = None) -> int:
+        """Micro-steps until `stop` is set (or max_steps, or the buffer is empty); returns the
+        number taken. `stop` may be any object with is_set() (a multiprocessing Event too)."""
+        taken = 0
+        while not stop.is_set() and (max_steps is None or taken < max_steps):
+            if not self.step():
+                break
+            taken += 1
+        if stop.is_set():
+            self.record_preemption(_set_time(stop))
+        return taken
+
+    def record_preemption(self, stop_time: float) -> None:
+        """stop_time: time.perf_counter() when the stop was asked for (CLOCK_MONOTONIC: one
+        clock for every process of the machine)."""
+        self.stats.preemptions += 1
+        self.stats.preemption_latencies_s.append(max(time.perf_counter() - stop_time, 0.0))
+
+    def step(self) -> bool:
+        """One micro-step; False when the buffer has nothing to train on."""
+        packed = self.buffer.sample(self.cfg.token_budget)
+        if packed is None:
+            return False
+        with self._lock:
+            batch = _draft_batch(packed)
+            options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
+            loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
+                                                 self.head.lm_head, **options)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+        self.stats.steps += 1
+        self.stats.tokens += int(packed.loss_mask.sum())
+        self.stats.last = metrics
+        return True
+
+    def publish(self) -> Published:
+        """The trainable tensors (host copies), a new version and their checksum."""
+        with self._lock:
+            tensors = [(n, t.detach().cpu().clone())
+                       for n, t in trainable_named_tensors(self.drafter)]
+            self.version += 1
+        return Published(self.version, tensor_digest(tensors), tensors)
+
+
+class StopEvent(threading.Event):
+    """An Event that remembers when it was set (for the preemption latency)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_at = 0.0
+
+    def set(self) -> None:
+        self.set_at = time.perf_counter()
+        super().set()
+
+
+def _set_time(stop: threading.Event) -> float:
+    return getattr(stop, "set_at", time.perf_counter()) or time.perf_counter()
+
+
+def _draft_batch(packed: PackedBatch) -> DraftBatch:
+    rewards = packed.rewards.float()
+    known = ~torch.isnan(rewards)
+    # A sample of the current rollout is not scored yet: it weighs like the average known one.
+    fill = rewards[known].mean() if known.any() else torch.tensor(1.0)
+    return DraftBatch(packed.input_ids, packed.hidden_states(), packed.loss_mask,
+                      torch.where(known, rewards, fill), packed.segment_ids, packed.positions)

@@ -1,0 +1,155 @@
+"""SpotWorker: the SpotTrainer in a process of its own, so that it shares nothing with the RL
+loop but the cores: no GIL (the engine's tail steps are Python-bound and a trainer thread in the
+same process slowed them ~5x on the 2-core CPU), its own torch threads, its own DataBuffer.
+
+The loop talks to it through one command queue (samples, rewards, the policy's embedding and
+lm_head, step boundaries, publish requests) and two events: `go` (train now: the rollout's tail
+or the actor update) and, by clearing it, preemption. Between micro-steps the worker drains its
+queue and checks `go`, so it idles within one micro-step of being told to. Published drafters
+come back on a reply queue with their version and checksum.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from fastdraft.databuffer import DataBuffer, Sample
+from fastdraft.drafter.base import Drafter
+from fastdraft.trainer.spot import PolicyHead, Published, SpotConfig, SpotStats, SpotTrainer
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """Everything the worker process builds its trainer from (picklable)."""
+
+    drafter: Drafter                 # attached later to the worker's PolicyHead
+    policy_config: Any
+    embed: torch.Tensor
+    lm_head: torch.Tensor | None     # None: tied to the embedding
+    spot: SpotConfig
+    buffer_bytes: int
+    offset_mix: float
+    seed: int
+    num_threads: int
+
+
+def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> None:
+    torch.set_num_threads(setup.num_threads)
+    torch.manual_seed(setup.seed)
+    buffer = DataBuffer(setup.buffer_bytes, setup.offset_mix, seed=setup.seed)
+    head = PolicyHead(setup.policy_config, setup.embed, setup.lm_head)
+    trainer = SpotTrainer(setup.drafter, head, buffer, setup.spot)
+    while True:
+        # Training: take what is queued without waiting, then one micro-step. Idle: wait.
+        command = _poll(inbox, 0.0 if go.is_set() else 0.1)
+        if command is not None:
+            kind, payload = command
+            if kind == "quit":
+                return
+            _handle(kind, payload, trainer, buffer, replies)
+        elif go.is_set() and not trainer.step():
+            time.sleep(0.005)   # nothing to train on yet
+
+
+def _poll(inbox: mp.Queue, timeout: float) -> tuple[str, Any] | None:
+    try:
+        return inbox.get(timeout=timeout) if timeout else inbox.get_nowait()
+    except queue.Empty:
+        return None
+
+
+def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
+            replies: mp.Queue) -> None:
+    if kind == "sample":
+        buffer.add(payload)
+    elif kind == "reward":
+        buffer.set_reward(*payload)
+    elif kind == "advance":
+        buffer.advance_step()
+    elif kind == "policy":
+        trainer.sync_policy(payload)
+    elif kind == "paused":   # the loop cleared `go` at payload (perf_counter); we are idle now
+        trainer.record_preemption(payload)
+        replies.put(("stats", trainer.stats))
+    elif kind == "publish":
+        replies.put(("published", trainer.publish(), trainer.stats,
+                     buffer.stats().num_bytes))
+    else:
+        raise ValueError(f"SpotWorker: unknown command {kind!r}")
+
+
+class SpotWorker:
+    """The loop's handle on the worker process; DataBuffer-like on the producer side."""
+
+    def __init__(self, setup: WorkerSetup) -> None:
+        ctx = mp.get_context("spawn")
+        self._inbox, self._replies, self._go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.process = ctx.Process(target=_serve, args=(setup, self._inbox, self._replies,
+                                                        self._go),
+                                   name="fastdraft-spot-worker", daemon=True)
+        self.process.start()
+        self.stats = SpotStats()
+        self.buffer_bytes = 0
+
+    # producer side (what SampleCollector calls)
+    def add(self, sample: Sample) -> None:
+        self._inbox.put(("sample", sample))
+
+    def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
+        self._inbox.put(("reward", (key, reward)))
+
+    def advance_step(self) -> None:
+        self._inbox.put(("advance", None))
+
+    def sync_policy(self, named_tensors) -> None:
+        wanted = ("model.embed_tokens.weight", "lm_head.weight")
+        self._inbox.put(("policy", [(n, t.detach().cpu().clone()) for n, t in named_tensors
+                                    if n in wanted]))
+
+    # control
+    def go(self) -> None:
+        self._go.set()
+
+    def pause(self) -> None:
+        """Stops training; returns once the worker has finished its micro-step (its stats,
+        with the preemption latency, are then in self.stats)."""
+        if not self._go.is_set():
+            return
+        self._go.clear()
+        self._inbox.put(("paused", time.perf_counter()))
+        self.stats = self._reply("stats")[1]
+
+    def publish(self) -> Published:
+        self._inbox.put(("publish", None))
+        _, published, self.stats, self.buffer_bytes = self._reply("published")
+        return published
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self._go.clear()
+            self._inbox.put(("quit", None))
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+    def _reply(self, kind: str, timeout: float = 600.0) -> tuple:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = self._replies.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the drafter worker died (exit code "
+                                       f"{self.process.exitcode}); its log is above") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the drafter worker sent no {kind!r} reply in "
+                                       f"{timeout:.0f} s") from None
+                continue
+            if reply[0] == kind:
+                return reply

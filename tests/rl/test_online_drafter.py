@@ -1,0 +1,82 @@
+"""Online drafter training in the GRPO loop: samples reach the worker, a new drafter version
+is published into the engine every step (checksummed), the lossless gate still holds; a
+collapsed drafter makes the engine fall back to plain decoding; a corrupted one is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft import RolloutEngine, SamplingParams, SpecConfig
+from fastdraft.drafter import build_drafter, save_drafter
+from fastdraft.drafter.checkpoint import trainable_named_tensors
+from fastdraft.models import load_model
+from fastdraft.rl.loop import train
+from fastdraft.rl.metrics import read_metrics
+from fastdraft.rl.run import Run
+from tests.rl.test_loop import _cfg
+
+
+@pytest.fixture(scope="module")
+def char_drafter(char_policy, tmp_path_factory):
+    policy = load_model(char_policy)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("char-drafter")
+    save_drafter(build_drafter("eagle1", policy.config, 512).attach(policy), out)
+    return out
+
+
+def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char_drafter,
+                                                               tmp_path):
+    run = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_drafter}",
+                   "drafter.online.enabled=true", "drafter.online.token_budget=64",
+                   "drafter.online.tail_fraction=1.0", "algorithm.num_steps=3"),
+              tmp_path / "run")
+    train(run)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert sum(r["drafter/train_steps"] for r in rows) > 0
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
+    refreshed = [r for r in rows if r.get("drafter/refreshed")]
+    assert refreshed and run.engine.drafter_version == len(refreshed)
+    assert rows[-1]["drafter/version"] == len(refreshed) - (1 if rows[-1].get(
+        "drafter/refreshed") else 0)
+    for key in ("drafter/loss", "drafter/top1_acc", "drafter/train_tokens",
+                "drafter/preemptions", "drafter/buffer_bytes"):
+        assert key in rows[-1], key
+
+
+def _eagle_engine(path, drafter):
+    return RolloutEngine(path, max_batch_size=4, max_seq_len=64, drafter=drafter,
+                         spec=SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=4))
+
+
+def test_a_collapsed_drafter_falls_back_to_plain_decoding(char_policy, char_drafter):
+    from fastdraft.config.sections import OnlineDrafterConfig
+    from fastdraft.rl.online_drafter import OnlineDrafter
+    engine = _eagle_engine(char_policy, char_drafter)
+    online = OnlineDrafter(OnlineDrafterConfig(enabled=True), engine)
+    try:
+        for accept in (1.1, 1.0, 1.05):
+            metrics = online.after_step(engine, accept)
+    finally:
+        online.close()
+    assert metrics["drafter/fallback"] == 1.0
+    assert engine.spec.method == "none" and "accept length" in engine.fallback_reason
+    out = engine.generate([[5, 6, 7]], SamplingParams(greedy=True, max_new_tokens=5))
+    plain = RolloutEngine(char_policy, max_seq_len=64).generate(
+        [[5, 6, 7]], SamplingParams(greedy=True, max_new_tokens=5))
+    assert out[0].token_ids == plain[0].token_ids and out[0].spec is None
+
+
+def test_a_drafter_whose_checksum_does_not_match_is_not_loaded(char_policy, char_drafter):
+    from fastdraft.utils.digest import tensor_digest
+    engine = _eagle_engine(char_policy, char_drafter)
+    tensors = [(n, t.clone()) for n, t in trainable_named_tensors(engine.proposer.drafter)]
+    good = tensor_digest(tensors)
+    corrupted = [(n, t + 1.0) for n, t in tensors]
+    with pytest.raises(ValueError, match="checksum"):
+        engine.load_drafter_weights(corrupted, version=1, checksum=good)
+    assert engine.drafter_version == 0
+    assert tensor_digest(trainable_named_tensors(engine.proposer.drafter)) == good
+    assert engine.load_drafter_weights(tensors, version=1, checksum=good) == 1

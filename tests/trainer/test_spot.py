@@ -1,0 +1,97 @@
+"""SpotTrainer and SpotWorker: preemptible micro-steps, versioned and checksummed publishing,
+a worker process that trains from the samples it is sent and publishes what it trained."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+
+from fastdraft.databuffer import DataBuffer, Sample
+from fastdraft.drafter import build_drafter
+from fastdraft.models import load_model
+from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent
+from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+from fastdraft.utils.digest import tensor_digest
+
+
+def _samples(policy, n: int, step: int = 0) -> list[Sample]:
+    rng = random.Random(step)
+    out = []
+    for i in range(n):
+        ids = torch.tensor([rng.randrange(3, 64) for _ in range(rng.randrange(6, 20))])
+        with torch.no_grad():
+            _, hidden = policy(ids.unsqueeze(0), torch.arange(len(ids)).unsqueeze(0))
+        out.append(Sample(request_index=i, policy_version=0, rl_step=step, token_ids=ids,
+                          positions=torch.arange(len(ids)), hidden=hidden.final[0],
+                          loss_mask=torch.ones(len(ids), dtype=torch.bool), reward=1.0))
+    return out
+
+
+def _setup(tiny_checkpoint):
+    policy = load_model(tiny_checkpoint[0]).eval()
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle1", policy.config, 128)
+    return policy, drafter
+
+
+def test_run_returns_within_one_micro_step_of_stop_and_publishes_checksummed(tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)
+    buffer = DataBuffer(2**24)
+    for s in _samples(policy, 16):
+        buffer.add(s)
+    trainer = SpotTrainer(drafter, PolicyHead.of(policy), buffer, SpotConfig(token_budget=64))
+    before = trainer.publish()
+    assert trainer.run(threading.Event(), max_steps=3) == 3
+    stop = StopEvent()
+    thread = threading.Thread(target=trainer.run, args=(stop,))
+    thread.start()
+    time.sleep(0.3)
+    steps_before_stop = trainer.stats.steps
+    stop.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert trainer.stats.steps <= steps_before_stop + 1     # at most the micro-step under way
+    assert trainer.stats.preemptions == 1 and trainer.stats.preemption_latencies_s[0] < 5
+    after = trainer.publish()
+    assert (before.version, after.version) == (1, 2)
+    assert after.checksum == tensor_digest(after.tensors) != before.checksum
+    assert {n for n, _ in after.tensors} == {n for n, _ in drafter.named_parameters()}
+    assert trainer.stats.last["top1_acc"] <= trainer.stats.last["top3_acc"]
+
+
+def test_an_empty_buffer_ends_run_at_once(tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)
+    trainer = SpotTrainer(drafter, PolicyHead.of(policy), DataBuffer(1024))
+    assert trainer.run(threading.Event()) == 0 and trainer.stats.preemptions == 0
+
+
+def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)
+    worker = SpotWorker(WorkerSetup(
+        drafter=drafter, policy_config=policy.config,
+        embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
+        spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
+        num_threads=1))
+    try:
+        first = worker.publish()
+        assert worker.stats.steps == 0
+        for s in _samples(policy, 12):
+            worker.add(s)
+        worker.go()
+        deadline = time.monotonic() + 60
+        while worker.publish().version and worker.stats.steps < 3:
+            assert time.monotonic() < deadline, "the worker did not train"
+            time.sleep(0.2)
+        worker.pause()
+        paused_at = worker.stats.steps
+        assert worker.stats.preemptions == 1
+        time.sleep(0.3)
+        published = worker.publish()
+        assert worker.stats.steps == paused_at     # idle once paused
+        assert published.checksum == tensor_digest(published.tensors) != first.checksum
+    finally:
+        worker.close()
+    assert not worker.process.is_alive()
