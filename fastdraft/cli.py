@@ -287,6 +287,32 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", type=Path, required=True,
+                   help="a run directory (its drafter/ and newest checkpoint's policy)")
+    p.add_argument("--format", choices=["sglang", "vllm", "all"], default="all")
+    p.add_argument("--out", type=Path, default=None, help="default: RUN/export")
+
+
+@command("export", "write a run's drafter as SGLang / vLLM load it (checked before success)")(
+    _export_args)
+def export_cmd(args: argparse.Namespace) -> int:
+    from fastdraft.checkpoint import CheckpointManager
+    from fastdraft.export import export_drafter
+    drafter = args.run / "drafter"
+    if not (drafter / "drafter_config.json").is_file():
+        raise FileNotFoundError(f"{drafter}: no drafter there; `fastdraft run` saves the run's "
+                                "drafter there at its end (speculative recipes only)")
+    latest = CheckpointManager(args.run, keep=1).latest()
+    if latest is None:
+        raise FileNotFoundError(f"{args.run / 'checkpoints'}: no complete checkpoint to read "
+                                "the policy from")
+    for path in export_drafter(drafter, latest / "model", args.out or args.run / "export",
+                               args.format):
+        print(f"exported: {path}")
+    return 0
+
+
 def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory (with metrics.jsonl)")
     p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/dashboard.png")

@@ -43,8 +43,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     if missing:
         raise ValueError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of this "
                          f"model, e.g. {sorted(missing)[:3]}: was it saved from another model?")
-    trees = _read(path, TENSORS_FILE, lambda _: {k: unflatten(state[k], tensors)
-                                                  for k in ("optimizer", "scheduler", "rng")})
+    trees = _read(path, TENSORS_FILE, lambda _: {k: unflatten(state.get(k), tensors)
+                                                  for k in ("optimizer", "scheduler", "rng",
+                                                            "drafter")})
     if optimizer is not None:
         optimizer.load_state_dict(trees["optimizer"])
     if scheduler is not None:
@@ -54,7 +55,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         scheduler.load_state_dict(trees["scheduler"])
     RngState.from_tree(trees["rng"]).restore()
     config = _read(path, CONFIG_FILE, lambda p: json.loads(p.read_text()))
-    return LoadedState(path=path, step=int(state["step"]), config=config, extra=state["extra"])
+    return LoadedState(path=path, step=int(state["step"]), config=config, extra=state["extra"],
+                       drafter=trees["drafter"])
 
 
 def _read(ckpt: Path, rel: str, read: Any) -> Any:

@@ -58,6 +58,7 @@ def take_snapshot(step: int, state: TrainState, mirror: HostMirror) -> Snapshot:
             "optimizer": flatten(state.optimizer, "optimizer", tensors),
             "scheduler": flatten(state.scheduler, "scheduler", tensors),
             "rng": flatten(state.rng.as_tree(), "rng", tensors),
+            "drafter": flatten(state.drafter, "drafter", tensors),
             "extra": _checked(state.extra, "extra")}
     return Snapshot(step=step, model=mirror.copy_from(state.model), tensors=tensors,
                     state_json=json.dumps(tree), config_json=_dumps(state.config, "config"))

@@ -64,6 +64,8 @@ class TrainState:
     optimizer / scheduler: their `state_dict()`s (scheduler optional).
     rng: captured when this TrainState is built, i.e. at the checkpoint point of the loop.
     config: the run's config (JSON); extra: small JSON-able bookkeeping (e.g. metrics cursor).
+    drafter: the drafter's selective state (its trainable tensors and version; no policy
+    tensors), a tree with tensor leaves like the optimizer's, or None.
     """
 
     model: CausalLM
@@ -72,6 +74,7 @@ class TrainState:
     scheduler: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    drafter: dict[str, Any] | None = None
     rng: RngState = field(default_factory=RngState.capture)
 
     def __post_init__(self) -> None:
@@ -94,3 +97,4 @@ class LoadedState:
     step: int
     config: dict[str, Any]
     extra: dict[str, Any]
+    drafter: dict[str, Any] | None = None

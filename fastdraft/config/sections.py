@@ -174,6 +174,7 @@ class DrafterConfig:
     kind: str = "eagle1"
     warmup_steps: int = 4000
     warmup_rollouts: int = 2048
+    export: bool = True                 # at the end of a run: RUN_DIR/drafter + RUN_DIR/export
     online: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
 

@@ -174,8 +174,8 @@ class RolloutEngine:
         """Updates the drafter's trainable tensors in place; returns the new drafter version.
         checksum (utils/digest.tensor_digest of the tensors, as published): checked before
         anything is loaded, so a corrupted drafter never reaches the engine."""
-        drafter = getattr(self.proposer, "drafter", None)
-        if drafter is None or not isinstance(drafter, torch.nn.Module):
+        drafter = self.model_drafter
+        if drafter is None:
             raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
         named_tensors = list(named_tensors)
         if checksum is not None and (got := tensor_digest(named_tensors)) != checksum:
@@ -185,6 +185,12 @@ class RolloutEngine:
         load_named_tensors(drafter, named_tensors)
         self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
         return self.drafter_version
+
+    @property
+    def model_drafter(self) -> torch.nn.Module | None:
+        """The proposer's trained drafter (EAGLE), None for model-free proposers."""
+        drafter = getattr(self.proposer, "drafter", None)
+        return drafter if isinstance(drafter, torch.nn.Module) else None
 
     def fall_back_to_plain(self, reason: str) -> None:
         """From the next generate call on, decode without speculation (a broken or collapsed

@@ -22,7 +22,7 @@ COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.2, 3
 
 class OnlineDrafter:
     def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0) -> None:
-        drafter = getattr(engine.proposer, "drafter", None)
+        drafter = engine.model_drafter
         if drafter is None:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
                              "rollout.spec.method=eagle")

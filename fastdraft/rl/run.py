@@ -15,6 +15,8 @@ import torch
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
+from fastdraft.drafter import save_drafter
+from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.engine import Completion, RolloutEngine
 from fastdraft.models import load_model
 from fastdraft.rl.actor import Actor
@@ -72,6 +74,9 @@ class Run:
             loaded = self.checkpoints.load(latest, self.actor.unwrapped(), self.actor.optimizer)
             self.start_step = self.actor.step = loaded.step
             self.engine.load_weights(self.actor.named_parameters(), version=loaded.step)
+            if loaded.drafter is not None:   # the drafter the run had trained online
+                self.engine.load_drafter_weights(list(loaded.drafter["tensors"].items()),
+                                                 version=int(loaded.drafter["version"]))
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
@@ -109,12 +114,32 @@ class Run:
         start = time.perf_counter()
         self.checkpoints.save(step, TrainState(
             model=self.actor.unwrapped(), optimizer=self.actor.optimizer.state_dict(),
-            step=step, config=config_dict(self.cfg), extra={}))
+            step=step, config=config_dict(self.cfg), drafter=self._drafter_state()))
         self.last_checkpoint_s = time.perf_counter() - start
+
+    def _drafter_state(self) -> dict[str, Any] | None:
+        """The engine's drafter (trainable tensors) and version: what --resume puts back."""
+        drafter = self.engine.model_drafter
+        if drafter is None or self.engine.drafter_version is None:
+            return None
+        return {"tensors": {n: t.detach() for n, t in trainable_named_tensors(drafter)},
+                "version": self.engine.drafter_version}
 
     def finish(self) -> None:
         self.drafter.close()
         self.checkpoints.close()
+        drafter = self.engine.model_drafter
+        if drafter is not None and self.cfg.drafter.export:
+            from fastdraft.export import export_drafter
+            save_drafter(drafter, self.run_dir / "drafter",
+                         extra={"drafter_version": self.engine.drafter_version})
+            latest = self.checkpoints.latest()
+            try:
+                out = export_drafter(self.run_dir / "drafter", latest / "model",
+                                     self.run_dir / "export", "all") if latest else []
+                print("drafter exported for SGLang / vLLM: " + ", ".join(map(str, out)))
+            except ValueError as err:   # a drafter no engine format can hold: say why
+                print(f"drafter saved to {self.run_dir / 'drafter'}; not exported: {err}")
         self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")

@@ -44,6 +44,22 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
     for key in ("drafter/loss", "drafter/top1_acc", "drafter/train_tokens",
                 "drafter/preemptions", "drafter/buffer_bytes"):
         assert key in rows[-1], key
+    # The end of the run: the drafter saved, exported, and checked, for both engines.
+    for engine in ("sglang", "vllm"):
+        assert (tmp_path / "run" / "export" / engine / "config.json").is_file()
+    trained = {n: t.clone() for n, t in trainable_named_tensors(run.engine.proposer.drafter)}
+    # --resume puts the trained drafter (and its version) back into the engine.
+    resumed = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_drafter}",
+                       "algorithm.num_steps=4"), tmp_path / "run", resume=True)
+    assert resumed.engine.drafter_version == run.engine.drafter_version
+    for name, tensor in trainable_named_tensors(resumed.engine.proposer.drafter):
+        assert torch.equal(tensor, trained[name]), name
+    resumed.finish()
+    # `fastdraft export` does it again from the run directory.
+    from fastdraft.cli import main
+    assert main(["export", "--run", str(tmp_path / "run"), "--format", "vllm",
+                 "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "vllm" / "config.json").is_file()
 
 
 def _eagle_engine(path, drafter):
