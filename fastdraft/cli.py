@@ -77,13 +77,13 @@ def run_generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe"],
+    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
-                   help="recipe: RECIPE.yaml [section.key=value ...] (default: "
+                   help="recipe, drafter: RECIPE.yaml [section.key=value ...] (default: "
                         "recipes/tiny-grpo.yaml)")
-    p.add_argument("--out-dir", type=Path, default=Path("runs/bench-recipe"),
-                   help="recipe: where the two runs go")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="recipe, drafter: where the runs go (default: runs/bench-WHICH)")
     _cache_arg(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
@@ -126,6 +126,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         return _bench_gpu(args, dtype)
     if args.which == "recipe":
         return _bench_recipe(args)
+    if args.which == "drafter":
+        return _bench_drafter(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
     if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -156,10 +158,9 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 def _bench_recipe(args: argparse.Namespace) -> int:
     from fastdraft.bench.recipe_bench import run_recipe_bench
-    recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
-    if overrides and "=" not in overrides[0]:
-        recipe, overrides = Path(overrides[0]), overrides[1:]
-    out = run_recipe_bench(recipe, overrides, args.out_dir, args.json, args.cache_dir)
+    recipe, overrides = _recipe_and_overrides(args)
+    out = run_recipe_bench(recipe, overrides, args.out_dir or Path("runs/bench-recipe"),
+                           args.json, args.cache_dir)
     print(f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f}; step_time_ratio "
           f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
           f"on {out['on']['rollout_share']:.0%}")
@@ -175,6 +176,36 @@ def _bench_recipe(args: argparse.Namespace) -> int:
               f"{law['length_diff']:+.2f} (95% {law['length_diff_95'][0]:+.2f} .. "
               f"{law['length_diff_95'][1]:+.2f})")
     print(f"plot: {out['plot']}")
+    return 0
+
+
+def _recipe_and_overrides(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
+    if overrides and "=" not in overrides[0]:
+        recipe, overrides = Path(overrides[0]), overrides[1:]
+    return recipe, overrides
+
+
+def _bench_drafter(args: argparse.Namespace) -> int:
+    from fastdraft.bench.drafter_bench import run_drafter_bench
+    recipe, overrides = _recipe_and_overrides(args)
+    out = run_drafter_bench(recipe, overrides, args.out_dir or Path("runs/bench-drafter"),
+                            args.json, args.cache_dir)
+    print(f"packing_speedup {out['packing_speedup']:.2f} ({out['packed_tokens_per_s']:.0f} vs "
+          f"{out['padded_tokens_per_s']:.0f} tok/s); preemption latency median "
+          f"{out['preemption_latency_s_median'] * 1e3:.0f} ms, max "
+          f"{out['preemption_latency_s_max'] * 1e3:.0f} ms; ckpt_blocking_ratio "
+          f"{out['ckpt_blocking_ratio']:.3f}")
+    drift = out["drift"]
+    print(f"on the drifted policy: accept length online (KD) {out['adaptive_accept_length']:.2f}"
+          f", reward-weighted KD {out['reward_kd_accept_length']:.2f}, stale "
+          f"{out['stale_accept_length']:.2f} (adaptive_vs_stale {out['adaptive_vs_stale']:.3f})"
+          f"; eval rollout time stale {drift['stale']['eval_rollout_time_s']:.1f}s, online "
+          f"{drift['kd']['eval_rollout_time_s']:.1f}s")
+    for name in ("stale", "kd", "reward_kd"):
+        r = drift[name]["rewards"]
+        print(f"{name}: reward first 5 {sum(r[:5]) / len(r[:5]):.3f} last 5 "
+              f"{sum(r[-5:]) / len(r[-5:]):.3f}; rollout {drift[name]['rollout_time_s']:.1f}s")
     return 0
 
 

@@ -60,3 +60,15 @@ def char_policy(tmp_path_factory):
                          pad_token_id=0, max_position_embeddings=512)
     build_char_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def char_drafter(char_policy, tmp_path_factory):
+    """An untrained EAGLE-1 drafter for char_policy."""
+    from fastdraft.drafter import build_drafter, save_drafter
+    from fastdraft.models import load_model
+    policy = load_model(char_policy)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("char-drafter")
+    save_drafter(build_drafter("eagle1", policy.config, 512).attach(policy), out)
+    return out

@@ -40,7 +40,9 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
     for name, method in (("off", "none"), ("on", base.rollout.spec.method)):
         run_dir = out_dir / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        cfg = load_recipe(recipe, [*overrides, *quiet, f"rollout.spec.method={method}"])
+        # Off: plain decoding, so no drafter to train either.
+        off = ["drafter.online.enabled=false"] if method == "none" else []
+        cfg = load_recipe(recipe, [*overrides, *quiet, f"rollout.spec.method={method}", *off])
         runs[name] = Run(cfg, run_dir, cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for step in range(base.algorithm.num_steps):

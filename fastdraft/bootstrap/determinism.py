@@ -60,7 +60,7 @@ def deterministic_cpu(num_threads: int) -> Iterator[None]:
 def weights_digest(model: torch.nn.Module) -> str:
     """SHA-256 (first 16 hex digits) of every parameter's name, dtype, shape and bytes, in name
     order; tied parameters count once. Equal digests mean bit-identical weights."""
-    return tensor_digest(sorted(model.named_parameters(), key=lambda item: item[0]))
+    return tensor_digest(model.named_parameters())
 
 
 def runtime_info() -> dict[str, str]:

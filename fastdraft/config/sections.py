@@ -139,7 +139,8 @@ class OnlineDrafterConfig:
     micro-batch; buffer_mb: the DataBuffer's capacity; offset_mix: share of each micro-batch
     given to the previous step's longest samples; tail_fraction: the trainer starts once fewer
     than this share of the rollout's requests still run; during_update: it also trains while
-    the actor updates; num_threads: torch intra-op threads of the trainer's process;
+    the actor updates; max_steps_per_step: micro-steps per RL step at most (0: no cap);
+    num_threads: torch intra-op threads of the trainer's process;
     refresh: every_step (publish after each step) or on_drop (only once the measured accept
     length fell by refresh_drop below the last published drafter's first step)."""
 
@@ -151,6 +152,7 @@ class OnlineDrafterConfig:
     offset_mix: float = 0.5
     tail_fraction: float = 0.5
     during_update: bool = True
+    max_steps_per_step: int = 0
     num_threads: int = 1
     refresh: str = "every_step"
     refresh_drop: float = 0.3
@@ -161,7 +163,8 @@ class OnlineDrafterConfig:
         _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
         _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
                  "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
-        _require(self.num_threads >= 1, "drafter.online.num_threads must be >= 1")
+        _require(self.num_threads >= 1 and self.max_steps_per_step >= 0,
+                 "drafter.online: num_threads must be >= 1, max_steps_per_step >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

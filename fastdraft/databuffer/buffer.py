@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastdraft.databuffer.offset_sampler import select_offset
-from fastdraft.databuffer.packing import PackedBatch, pack
+from fastdraft.databuffer.packing import PackedBatch, pack, pack_rows
 from fastdraft.databuffer.sample import Sample, SampleKey
 from fastdraft.databuffer.spill import SpillStore, load_records
 
@@ -149,10 +149,12 @@ class DataBuffer:
 
     # -- consumer side -------------------------------------------------------------------------
 
-    def sample(self, token_budget: int, pad_to_budget: bool = False) -> PackedBatch | None:
+    def sample(self, token_budget: int, pad_to_budget: bool = False, rows: bool = False
+               ) -> PackedBatch | None:
         """One packed batch of at most token_budget tokens by one-step-offset sampling (see
         offset_sampler.select_offset); None when neither this step nor the previous one has
-        samples. Samples stay in the buffer: a later batch may draw them again."""
+        samples. Samples stay in the buffer: a later batch may draw them again. rows: packed
+        into rows as long as the longest sample (`pack_rows`) instead of one row."""
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         with self._lock:
@@ -160,7 +162,9 @@ class DataBuffer:
             previous = [e.sample for e in self._entries.values() if e.step == self._step - 1]
             chosen = select_offset(current, previous, token_budget, self.offset_mix,
                                    self.tail_fraction, self._rng)
-        return pack(chosen, token_budget, pad_to_budget) if chosen else None
+        if not chosen:
+            return None
+        return pack_rows(chosen) if rows else pack(chosen, token_budget, pad_to_budget)
 
     def stats(self) -> BufferStats:
         with self._lock:

@@ -151,6 +151,53 @@ def pack(samples: Sequence[Sample], token_budget: int, pad_to_budget: bool = Fal
         **_per_sequence(samples))
 
 
+def pack_rows(samples: Sequence[Sample], row_len: int | None = None) -> PackedBatch:
+    """Packs the samples into as few rows of row_len tokens as first-fit decreasing finds
+    (default row_len: the longest sample), each row right-padded. Attention then costs
+    rows x row_len^2 rather than one (sum of lengths)^2 row: with dense masked attention (no
+    varlen kernels on the CPU), a single long packed row spends most of its attention on
+    masked cross-sequence blocks. Segment ids keep the samples' given order (per-sequence
+    fields too), so per-sample values line up as in `pack` and `pad`."""
+    _check(samples)
+    longest = max(s.num_tokens for s in samples)
+    row_len = longest if row_len is None else row_len
+    if row_len < longest:
+        raise ValueError(f"row_len={row_len} is shorter than the longest sample ({longest} "
+                         "tokens): raise it")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens):
+        n = samples[i].num_tokens
+        slot = next((r for r, room in enumerate(free) if room >= n), None)
+        if slot is None:
+            rows.append([])
+            free.append(row_len)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= n
+    hidden_size, num_aux = samples[0].hidden_size, len(samples[0].aux_hidden)
+    shape = (len(rows), row_len)
+    input_ids = torch.zeros(shape, dtype=torch.int64)
+    positions = torch.zeros(shape, dtype=torch.int64)
+    segment_ids = torch.full(shape, PAD_SEGMENT, dtype=torch.int64)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    hidden = torch.zeros(*shape, hidden_size, dtype=HIDDEN_DTYPE)
+    aux = tuple(torch.zeros(*shape, hidden_size, dtype=HIDDEN_DTYPE) for _ in range(num_aux))
+    for r, members in enumerate(rows):
+        start = 0
+        for i in members:
+            s, cols = samples[i], slice(start, start + samples[i].num_tokens)
+            input_ids[r, cols], positions[r, cols], segment_ids[r, cols] = (
+                s.token_ids, s.positions, i)
+            loss_mask[r, cols], hidden[r, cols] = s.loss_mask, s.hidden
+            for j, a in enumerate(s.aux_hidden):
+                aux[j][r, cols] = a
+            start = cols.stop
+    return PackedBatch(input_ids=input_ids, positions=positions, segment_ids=segment_ids,
+                       loss_mask=loss_mask, hidden=hidden, aux_hidden=aux,
+                       **_per_sequence(samples))
+
+
 def pad(samples: Sequence[Sample]) -> PackedBatch:
     """One right-padded row per sample: B = N, L = the longest sample. The baseline that packing
     is measured against; with positions 0..T-1 its rows also suit a plain causal forward

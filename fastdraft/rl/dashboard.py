@@ -1,6 +1,7 @@
 """The run's dashboard: one PNG with reward, rollout time and its tail share, accept length and
 per-position acceptance, and tokens per second, per step (read from metrics.jsonl, so
-`fastdraft plot RUN_DIR` redraws it for any run, finished or not)."""
+`fastdraft plot RUN_DIR` redraws it for any run, finished or not); with online drafter
+training, the drafter's top-1 agreement with the policy too."""
 
 from __future__ import annotations
 
@@ -51,8 +52,15 @@ def draw_dashboard(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if positions:
         twin.legend(fontsize=7, ncol=2)
     ax = axes[1][1]
-    ax.plot(steps, series("rollout/tokens_per_s"), marker="o")
+    ax.plot(steps, series("rollout/tokens_per_s"), marker="o", label="rollout tokens / s")
     ax.set(title="rollout tokens / s", xlabel="step")
+    if any("drafter/top1_acc" in r for r in rows):   # the drafter trained online
+        twin = ax.twinx()
+        twin.plot(steps, series("drafter/top1_acc"), color="tab:green", marker=".",
+                  label="drafter top-1 (online training)")
+        twin.set_ylim(0, 1)
+        twin.legend(fontsize=7, loc="lower right")
+        ax.set(title="rollout tokens / s; online drafter's top-1 agreement (right)")
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     out = Path(out) if out is not None else run_dir / DASHBOARD_FILE

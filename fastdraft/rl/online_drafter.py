@@ -17,7 +17,7 @@ from fastdraft.trainer.spot import SpotConfig
 from fastdraft.trainer.worker import SpotWorker, WorkerSetup
 
 #: Accept length at or below this, over HEALTH_WINDOW steps, means the drafter is broken.
-COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.2, 3
+COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.5, 3
 
 
 class OnlineDrafter:
@@ -39,7 +39,7 @@ class OnlineDrafter:
             lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
             spot=SpotConfig(loss=cfg.loss, lr=cfg.lr, token_budget=cfg.token_budget),
             buffer_bytes=int(cfg.buffer_mb * 2**20), offset_mix=cfg.offset_mix, seed=seed,
-            num_threads=cfg.num_threads))
+            num_threads=cfg.num_threads, max_steps_per_step=cfg.max_steps_per_step))
         self.collector = SampleCollector(self.worker)
         self._remaining, self._threshold = 0, 0.0
         self._steps_at_start = 0
@@ -94,12 +94,7 @@ class OnlineDrafter:
         metrics = self._metrics()
         if accept_length is None:   # speculation is off (or fell back): nothing to refresh
             return metrics
-        self.accept_history.append(accept_length)
-        recent = self.accept_history[-HEALTH_WINDOW:]
-        if len(recent) == HEALTH_WINDOW and max(recent) <= COLLAPSED_ACCEPT_LENGTH:
-            engine.fall_back_to_plain(f"accept length {recent} <= {COLLAPSED_ACCEPT_LENGTH} "
-                                      f"for {HEALTH_WINDOW} steps: the drafter is broken")
-            print(f"drafter: falling back to plain decoding: {engine.fallback_reason}")
+        if health_check(engine, self.accept_history, accept_length):
             return {**metrics, "drafter/fallback": 1.0}
         if self._should_refresh(accept_length):
             published = self.worker.publish()
@@ -137,10 +132,28 @@ class OnlineDrafter:
         return out
 
 
+def health_check(engine: RolloutEngine, history: list[float], accept_length: float) -> bool:
+    """Records the step's accept length; after HEALTH_WINDOW steps at or below
+    COLLAPSED_ACCEPT_LENGTH the engine falls back to plain decoding (True): a broken drafter
+    (zeroed, misloaded, or for another policy) must never make rollouts slower than plain."""
+    history.append(accept_length)
+    recent = history[-HEALTH_WINDOW:]
+    if len(recent) < HEALTH_WINDOW or max(recent) > COLLAPSED_ACCEPT_LENGTH:
+        return False
+    engine.fall_back_to_plain(f"accept length {[round(a, 3) for a in recent]} <= "
+                              f"{COLLAPSED_ACCEPT_LENGTH} for {HEALTH_WINDOW} steps: the "
+                              "drafter is broken")
+    print(f"drafter: falling back to plain decoding: {engine.fallback_reason}")
+    return True
+
+
 class FixedDrafter:
-    """The loop's drafter side when the drafter is not trained online: nothing to do."""
+    """The loop's drafter side when the drafter is not trained online: the health check."""
 
     on_hidden = None
+
+    def __init__(self) -> None:
+        self.accept_history: list[float] = []
 
     def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None: ...
     def on_finish(self, completion: Completion) -> None: ...
@@ -151,4 +164,7 @@ class FixedDrafter:
 
     def after_step(self, engine: RolloutEngine, accept_length: float | None
                    ) -> dict[str, float]:
+        if accept_length is not None and health_check(engine, self.accept_history,
+                                                      accept_length):
+            return {"drafter/fallback": 1.0}
         return {}

@@ -53,6 +53,7 @@ class Published:
 @dataclass(slots=True)
 class SpotStats:
     steps: int = 0
+    steps_at_advance: int = 0        # `steps` when the current RL step began
     tokens: int = 0
     preemptions: int = 0
     last: dict[str, float] = field(default_factory=dict)
@@ -120,11 +121,11 @@ class SpotTrainer:
 
     def step(self) -> bool:
         """One micro-step; False when the buffer has nothing to train on."""
-        packed = self.buffer.sample(self.cfg.token_budget)
+        packed = self.buffer.sample(self.cfg.token_budget, rows=True)
         if packed is None:
             return False
         with self._lock:
-            batch = _draft_batch(packed)
+            batch = draft_batch(packed)
             options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
             loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
                                                  self.head.lm_head, **options)
@@ -162,7 +163,7 @@ def _set_time(stop: threading.Event) -> float:
     return getattr(stop, "set_at", time.perf_counter()) or time.perf_counter()
 
 
-def _draft_batch(packed: PackedBatch) -> DraftBatch:
+def draft_batch(packed: PackedBatch) -> DraftBatch:
     rewards = packed.rewards.float()
     known = ~torch.isnan(rewards)
     # A sample of the current rollout is not scored yet: it weighs like the average known one.

@@ -2,6 +2,10 @@
 loop but the cores: no GIL (the engine's tail steps are Python-bound and a trainer thread in the
 same process slowed them ~5x on the 2-core CPU), its own torch threads, its own DataBuffer.
 
+Tensors cross as safetensors bytes (`_encode` / `_decode`), never as shared-memory handles:
+torch's file-descriptor sharing runs out of descriptors over thousands of samples ("received 0
+items of ancdata").
+
 The loop talks to it through one command queue (samples, rewards, the policy's embedding and
 lm_head, step boundaries, publish requests) and two events: `go` (train now: the rollout's tail
 or the actor update) and, by clearing it, preemption. Between micro-steps the worker drains its
@@ -18,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load, save
 
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
@@ -37,6 +42,7 @@ class WorkerSetup:
     offset_mix: float
     seed: int
     num_threads: int
+    max_steps_per_step: int = 0      # micro-steps per RL step at most (0: no cap)
 
 
 def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> None:
@@ -45,6 +51,7 @@ def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> N
     buffer = DataBuffer(setup.buffer_bytes, setup.offset_mix, seed=setup.seed)
     head = PolicyHead(setup.policy_config, setup.embed, setup.lm_head)
     trainer = SpotTrainer(setup.drafter, head, buffer, setup.spot)
+    cap = setup.max_steps_per_step or None
     while True:
         # Training: take what is queued without waiting, then one micro-step. Idle: wait.
         command = _poll(inbox, 0.0 if go.is_set() else 0.1)
@@ -53,8 +60,12 @@ def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> N
             if kind == "quit":
                 return
             _handle(kind, payload, trainer, buffer, replies)
-        elif go.is_set() and not trainer.step():
-            time.sleep(0.005)   # nothing to train on yet
+        elif go.is_set() and (cap is None or trainer.stats.steps - trainer.stats.steps_at_advance
+                               < cap):
+            if not trainer.step():
+                time.sleep(0.005)   # nothing to train on yet
+        elif go.is_set():
+            time.sleep(0.005)       # this RL step's share of training is done
 
 
 def _poll(inbox: mp.Queue, timeout: float) -> tuple[str, Any] | None:
@@ -64,21 +75,49 @@ def _poll(inbox: mp.Queue, timeout: float) -> tuple[str, Any] | None:
         return None
 
 
+def _encode(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save({n: t.detach().cpu().contiguous() for n, t in tensors.items()})
+
+
+def _decode(blob: bytes) -> dict[str, torch.Tensor]:
+    return load(blob)
+
+
+def _encode_sample(s: Sample) -> tuple[dict[str, Any], bytes]:
+    tensors = {"token_ids": s.token_ids, "positions": s.positions, "hidden": s.hidden,
+               "loss_mask": s.loss_mask, **{f"aux{i}": a for i, a in enumerate(s.aux_hidden)}}
+    meta = {"request_index": s.request_index, "policy_version": s.policy_version,
+            "rl_step": s.rl_step, "reward": s.reward, "num_aux": len(s.aux_hidden)}
+    return meta, _encode(tensors)
+
+
+def _decode_sample(meta: dict[str, Any], blob: bytes) -> Sample:
+    t = _decode(blob)
+    aux = tuple(t[f"aux{i}"] for i in range(meta["num_aux"]))
+    return Sample(request_index=meta["request_index"], policy_version=meta["policy_version"],
+                  rl_step=meta["rl_step"], reward=meta["reward"], token_ids=t["token_ids"],
+                  positions=t["positions"], hidden=t["hidden"], loss_mask=t["loss_mask"],
+                  aux_hidden=aux)
+
+
 def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
             replies: mp.Queue) -> None:
     if kind == "sample":
-        buffer.add(payload)
+        buffer.add(_decode_sample(*payload))
     elif kind == "reward":
         buffer.set_reward(*payload)
     elif kind == "advance":
         buffer.advance_step()
+        trainer.stats.steps_at_advance = trainer.stats.steps
     elif kind == "policy":
-        trainer.sync_policy(payload)
+        trainer.sync_policy(_decode(payload).items())
     elif kind == "paused":   # the loop cleared `go` at payload (perf_counter); we are idle now
         trainer.record_preemption(payload)
         replies.put(("stats", trainer.stats))
     elif kind == "publish":
-        replies.put(("published", trainer.publish(), trainer.stats,
+        published = trainer.publish()
+        replies.put(("published", published.version, published.checksum,
+                     _encode(dict(published.tensors)), trainer.stats,
                      buffer.stats().num_bytes))
     else:
         raise ValueError(f"SpotWorker: unknown command {kind!r}")
@@ -99,7 +138,7 @@ class SpotWorker:
 
     # producer side (what SampleCollector calls)
     def add(self, sample: Sample) -> None:
-        self._inbox.put(("sample", sample))
+        self._inbox.put(("sample", _encode_sample(sample)))
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self._inbox.put(("reward", (key, reward)))
@@ -109,8 +148,7 @@ class SpotWorker:
 
     def sync_policy(self, named_tensors) -> None:
         wanted = ("model.embed_tokens.weight", "lm_head.weight")
-        self._inbox.put(("policy", [(n, t.detach().cpu().clone()) for n, t in named_tensors
-                                    if n in wanted]))
+        self._inbox.put(("policy", _encode({n: t for n, t in named_tensors if n in wanted})))
 
     # control
     def go(self) -> None:
@@ -127,8 +165,8 @@ class SpotWorker:
 
     def publish(self) -> Published:
         self._inbox.put(("publish", None))
-        _, published, self.stats, self.buffer_bytes = self._reply("published")
-        return published
+        _, version, checksum, blob, self.stats, self.buffer_bytes = self._reply("published")
+        return Published(version, checksum, list(_decode(blob).items()))
 
     def close(self) -> None:
         if self.process.is_alive():

@@ -11,9 +11,10 @@ import torch
 
 
 def tensor_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 (first 16 hex digits), in the order given."""
+    """SHA-256 (first 16 hex digits), over the tensors in name order (so any order of the
+    same named tensors gives the same digest)."""
     sha = hashlib.sha256()
-    for name, tensor in named_tensors:
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
         tensor = tensor.detach().cpu().contiguous()
         sha.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         sha.update(tensor.view(torch.uint8).numpy().tobytes())

@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
-from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.models import load_model
 from fastdraft.rl.loop import train
 from fastdraft.rl.metrics import read_metrics
 from fastdraft.rl.run import Run
 from tests.rl.test_loop import _cfg
-
-
-@pytest.fixture(scope="module")
-def char_drafter(char_policy, tmp_path_factory):
-    policy = load_model(char_policy)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("char-drafter")
-    save_drafter(build_drafter("eagle1", policy.config, 512).attach(policy), out)
-    return out
 
 
 def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char_drafter,

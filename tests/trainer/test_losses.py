@@ -143,3 +143,25 @@ def test_losses_are_registered_and_check_the_drafter_kind(policy):
                              policy.lm_head)
     with pytest.raises(ValueError, match="unknown drafter loss"):
         compute_drafter_loss("kd", drafter, _padded(policy, _sequences(), ()), policy.lm_head)
+
+
+def test_rows_packed_first_fit_give_the_padded_loss(policy):
+    """pack_rows (what the SpotTrainer trains on) against pad, through draft_batch."""
+    from fastdraft.databuffer import Sample, pack_rows, pad
+    from fastdraft.trainer.spot import draft_batch
+    torch.manual_seed(0)
+    drafter = build_drafter("eagle1", policy.config, 128).attach(policy)
+    samples = []
+    for i, seq in enumerate(_sequences() * 2):
+        ids = torch.tensor([seq])
+        hidden = _hidden(policy, ids, torch.arange(len(seq)).unsqueeze(0), ())
+        samples.append(Sample(request_index=i, policy_version=0, rl_step=0, token_ids=ids[0],
+                              positions=torch.arange(len(seq)), hidden=hidden.final[0],
+                              loss_mask=torch.arange(len(seq)) >= 2, reward=float(i % 2)))
+    rows = pack_rows(samples)
+    assert rows.input_ids.shape[1] == max(LENGTHS) and rows.input_ids.shape[0] < len(samples)
+    assert rows.density > pad(samples).density
+    values = [compute_drafter_loss(name, drafter, draft_batch(b), policy.lm_head)[0]
+              for b in (rows, pad(samples)) for name in ("eagle1", "reward_kd")]
+    torch.testing.assert_close(values[0], values[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values[1], values[3], atol=1e-5, rtol=1e-5)

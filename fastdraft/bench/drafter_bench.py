@@ -1,0 +1,197 @@
+"""`fastdraft bench drafter`: what online drafter training buys and costs.
+
+- packing_speedup: drafter training tokens/s on packed rows over padded ones, on a long-tail
+  length mix (the bootstrap task's answer lengths), same samples, same loss.
+- preemption latency: SpotTrainer.run stopped at random moments: stop -> return, in seconds.
+- ckpt_blocking_ratio: what the loop waits for an async selective drafter checkpoint (host
+  copy, then a background write) over a synchronous full save of the same run state.
+- the drift experiment: the tiny recipe run three times side by side, steps interleaved, with
+  the same seeds: the warm-up drafter kept fixed ("stale"), trained online with plain KD
+  (eagle1's loss) and with reward-weighted KD. Then, on the drifted policy of the plain-KD run
+  (pushed into all three engines), the same prompts and seeds are rolled out with each drafter:
+  accept length and rollout time (`adaptive_accept_length`, `stale_accept_length`,
+  `adaptive_vs_stale`), and each run's reward curve.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from fastdraft.bench.common import write_json
+from fastdraft.config import load_recipe
+from fastdraft.databuffer import DataBuffer, Sample, pack_rows, pad
+from fastdraft.drafter import build_drafter
+from fastdraft.engine import SamplingParams
+from fastdraft.rl.loop import train_step
+from fastdraft.rl.run import Run
+from fastdraft.trainer.collector import SampleCollector
+from fastdraft.trainer.losses import compute_drafter_loss
+from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent, draft_batch
+
+DRIFT_RUNS = {"stale": [], "kd": ["drafter.online.enabled=true", "drafter.online.loss=eagle1"],
+              "reward_kd": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd"]}
+
+
+def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
+                      json_path: Path | None = None, cache_dir: Path | None = None
+                      ) -> dict[str, Any]:
+    quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
+             "drafter.export=false"]
+    runs: dict[str, Run] = {}
+    for name, extra in DRIFT_RUNS.items():
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+        runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *extra]), out_dir / name,
+                         cache_dir=cache_dir)
+    base = runs["stale"]
+    payload: dict[str, Any] = {"recipe": str(recipe), "overrides": overrides,
+                               **unit_costs(base)}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for step in range(base.cfg.algorithm.num_steps):
+        for name, run in runs.items():
+            rows[name].append(train_step(run, step))
+            print(f"step {step + 1}/{base.cfg.algorithm.num_steps} {name}: reward "
+                  f"{rows[name][-1]['reward/mean']:.3f} accept "
+                  f"{rows[name][-1].get('rollout/accept_length', 1.0):.2f} rollout "
+                  f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
+    payload["drift"] = drift_eval(runs, base.cfg.algorithm.num_steps)
+    for name, steps in rows.items():
+        payload["drift"][name]["rewards"] = [r["reward/mean"] for r in steps]
+        payload["drift"][name]["accept_lengths"] = [r.get("rollout/accept_length", 1.0)
+                                                    for r in steps]
+        payload["drift"][name]["rollout_time_s"] = sum(r["rollout/time_s"] for r in steps)
+        payload["drift"][name]["step_time_s"] = sum(r["timing/step_s"] for r in steps)
+    for run in runs.values():
+        run.finish()
+    drift = payload["drift"]
+    payload.update(adaptive_accept_length=drift["kd"]["eval_accept_length"],
+                   stale_accept_length=drift["stale"]["eval_accept_length"],
+                   adaptive_vs_stale=drift["kd"]["eval_accept_length"]
+                   / drift["stale"]["eval_accept_length"],
+                   reward_kd_accept_length=drift["reward_kd"]["eval_accept_length"])
+    if json_path is not None:
+        write_json(json_path, payload)
+    return payload
+
+
+def drift_eval(runs: dict[str, Run], num_steps: int, num_seeds: int = 2) -> dict[str, Any]:
+    """The kd run's final policy in every engine; the same prompts and seeds with each drafter."""
+    for name, run in runs.items():
+        if name != "kd":
+            run.engine.load_weights(runs["kd"].actor.named_parameters())
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        items = run.prompts.batch(0, run.cfg.rollout.prompts_per_step)
+        accepted = steps = 0.0
+        start = time.perf_counter()
+        prompts = [it.ids for it in items for _ in range(run.cfg.rollout.group_size)]
+        for i in range(num_seeds):   # no hooks: the drafters' buffers stay as training left them
+            run.engine.generate(prompts, SamplingParams(
+                temperature=run.cfg.rollout.temperature, seed=10**6 * (i + 1),
+                max_new_tokens=run.cfg.rollout.max_new_tokens), use_tqdm=False)
+            stats = run.engine.last_stats
+            accepted += stats.num_accepted
+            steps += stats.num_verify_steps
+        out[name] = {"eval_accept_length": 1 + accepted / max(steps, 1),
+                     "eval_rollout_time_s": time.perf_counter() - start,
+                     "drafter_version": run.engine.drafter_version}
+    return out
+
+
+def unit_costs(run: Run) -> dict[str, Any]:
+    """Packing speedup, preemption latency and checkpoint blocking on the run's policy."""
+    policy, drafter = run.engine.model, run.engine.model_drafter
+    assert drafter is not None, "bench drafter needs rollout.spec.method=eagle"
+    samples = _long_tail_samples(run)
+    head = PolicyHead.of(policy)
+    fresh = build_drafter(drafter.kind, drafter.config, drafter.rope.cos.shape[0])
+    fresh.load_state_dict(drafter.state_dict())
+    fresh.attach(head)
+    budget = 2048
+    packed, padded = _throughput(fresh, head, samples, budget, lambda s, _: pack_rows(s)), \
+        _throughput(fresh, head, samples, budget, lambda s, _: pad(s))
+    buffer = DataBuffer(2**28)
+    for s in samples:
+        buffer.add(s)
+    trainer = SpotTrainer(fresh, head, buffer, SpotConfig(token_budget=1024))
+    rng = random.Random(0)
+    for _ in range(8):
+        stop = StopEvent()
+        thread = threading.Thread(target=trainer.run, args=(stop,))
+        thread.start()
+        time.sleep(rng.uniform(0.05, 0.5))
+        stop.set()
+        thread.join()
+    latencies = trainer.stats.preemption_latencies_s
+    return {"packing_speedup": packed / padded, "packed_tokens_per_s": packed,
+            "padded_tokens_per_s": padded, "preemption_latency_s_median": median(latencies),
+            "preemption_latency_s_max": max(latencies), **_ckpt_blocking(run)}
+
+
+def _long_tail_samples(run: Run, num: int = 128) -> list[Sample]:
+    """Rollouts of the run's policy with their hidden states (the recipe's length mix)."""
+    buffer = DataBuffer(2**30)
+    collector = SampleCollector(buffer)
+    items = run.prompts.batch(0, max(num // run.cfg.rollout.group_size, 1))
+    prompts = [it.ids for it in items for _ in range(run.cfg.rollout.group_size)]
+    run.engine.generate(prompts, SamplingParams(temperature=1.0, seed=12345,
+                                                max_new_tokens=run.cfg.rollout.max_new_tokens),
+                        on_finish=collector.on_finish, on_hidden=collector.on_hidden)
+    return [s.with_reward(1.0) for s in buffer.samples()]
+
+
+def _throughput(drafter, head, samples, budget, batcher, repeats: int = 2) -> float:
+    """Drafter training tokens (forward + backward) per second over all samples."""
+    order = sorted(samples, key=lambda s: random.Random(s.request_index).random())
+    chunks, current, used = [], [], 0
+    for s in order:
+        if used + s.num_tokens > budget and current:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(s)
+        used += s.num_tokens
+    chunks.append(current)
+    tokens = sum(s.num_tokens for s in samples)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for chunk in chunks:
+            batch = draft_batch(batcher(chunk, budget))
+            loss, _ = compute_drafter_loss(drafter.kind, drafter, batch, head.lm_head)
+            loss.backward()
+        best = min(best, time.perf_counter() - start)
+    drafter.zero_grad(set_to_none=True)
+    return tokens / best
+
+
+def _ckpt_blocking(run: Run) -> dict[str, float]:
+    """Blocking time of the loop: the drafter's selective state handed to a background writer
+    vs the whole run state (actor, its optimizer, the drafter) saved synchronously."""
+    from fastdraft.checkpoint import CheckpointManager, TrainState
+    from fastdraft.drafter import save_drafter
+    drafter = run.engine.model_drafter
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        host = {n: t.detach().to("cpu", copy=True) for n, t in drafter.state_dict().items()}
+        writer = threading.Thread(target=lambda: torch.save(host, Path(tmp) / "drafter.pt"))
+        writer.start()
+        selective = time.perf_counter() - start
+        writer.join()
+        manager = CheckpointManager(tmp, keep=1)
+        start = time.perf_counter()
+        manager.save(1, TrainState(model=run.actor.unwrapped(),
+                                   optimizer=run.actor.optimizer.state_dict(), step=1,
+                                   drafter={"tensors": host, "version": 0}), block=True)
+        save_drafter(drafter, Path(tmp) / "drafter")
+        full = time.perf_counter() - start
+        manager.close()
+    return {"ckpt_selective_blocking_s": selective, "ckpt_full_sync_s": full,
+            "ckpt_blocking_ratio": selective / full}
