@@ -105,7 +105,7 @@ class Run:
                "rollout/tokens_per_s": sum(lengths) / max(trace.time_s, 1e-9),
                "rollout/response_len_mean": sum(lengths) / len(lengths),
                "rollout/response_len_max": float(max(lengths))}
-        if self.cfg.rollout.spec.enabled:
+        if self.engine.spec.enabled:   # not after a health fallback
             out.update(stats.as_metrics())
             out["drafter/version"] = float(self.engine.drafter_version or 0)
         return out

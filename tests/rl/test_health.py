@@ -53,6 +53,8 @@ def test_a_zeroed_drafter_is_detected_and_rollouts_fall_back_to_plain(tmp_path, 
     prompt = run.prompts.batch(0, 1)[0].ids
     params = SamplingParams(greedy=True, max_new_tokens=24)
     out = run.engine.generate([prompt], params)   # plain decoding now: nothing drafted
-    plain = RolloutEngine.from_model(run.actor.unwrapped(), max_seq_len=run.engine.max_seq_len)
+    plain = RolloutEngine(policy_dir, max_seq_len=run.engine.max_seq_len)
+    plain.load_weights(run.actor.named_parameters())
     assert len(drafts) == drafted and out[0].spec is None
-    assert out[0].token_ids == plain.generate([prompt], params)[0].token_ids
+    expected = plain.generate([prompt], params)[0]
+    assert out[0].token_ids == expected.token_ids
