@@ -14,14 +14,15 @@ from fastdraft.drafter import build_drafter
 from fastdraft.engine import Completion, RolloutEngine
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+from fastdraft.trainer.worker import SpotWorker, WorkerSetup, pickle_state
 
 #: Accept length at or below this, over HEALTH_WINDOW steps, means the drafter is broken.
 COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.5, 3
 
 
 class OnlineDrafter:
-    def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0) -> None:
+    def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0,
+                 resume_state: dict | None = None) -> None:
         drafter = engine.model_drafter
         if drafter is None:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
@@ -39,7 +40,8 @@ class OnlineDrafter:
             lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
             spot=SpotConfig(loss=cfg.loss, lr=cfg.lr, token_budget=cfg.token_budget),
             buffer_bytes=int(cfg.buffer_mb * 2**20), offset_mix=cfg.offset_mix, seed=seed,
-            num_threads=cfg.num_threads, max_steps_per_step=cfg.max_steps_per_step))
+            num_threads=cfg.num_threads, max_steps_per_step=cfg.max_steps_per_step,
+            state=None if resume_state is None else pickle_state(resume_state)))
         self.collector = SampleCollector(self.worker)
         self._remaining, self._threshold = 0, 0.0
         self._steps_at_start = 0
@@ -80,6 +82,10 @@ class OnlineDrafter:
 
     def close(self) -> None:
         self.worker.close()
+
+    def trainer_state(self) -> dict | None:
+        """The trainer's own state for the run checkpoint (taken while it is paused)."""
+        return self.worker.state()
 
     def _pause(self) -> None:
         start = time.perf_counter()
@@ -161,6 +167,9 @@ class FixedDrafter:
     def start_update(self) -> None: ...
     def end_update(self) -> None: ...
     def close(self) -> None: ...
+
+    def trainer_state(self) -> dict | None:
+        return None
 
     def after_step(self, engine: RolloutEngine, accept_length: float | None
                    ) -> dict[str, float]:

@@ -70,6 +70,7 @@ class Run:
         self.logprob_tolerance = (cfg.algorithm.logprob_tolerance
                                   or DEFAULT_TOLERANCE[dtype])
         self.start_step = 0
+        trainer_state = None
         if latest is not None:
             loaded = self.checkpoints.load(latest, self.actor.unwrapped(), self.actor.optimizer)
             self.start_step = self.actor.step = loaded.step
@@ -77,13 +78,15 @@ class Run:
             if loaded.drafter is not None:   # the drafter the run had trained online
                 self.engine.load_drafter_weights(list(loaded.drafter["tensors"].items()),
                                                  version=int(loaded.drafter["version"]))
+                trainer_state = loaded.drafter.get("trainer")
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
         # Callbacks on every finished rollout (the online drafter trainer listens here).
         self.drafter: OnlineDrafter | FixedDrafter = FixedDrafter()
         if cfg.drafter.online.enabled:
-            self.drafter = OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed)
+            self.drafter = OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed,
+                                         trainer_state)
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         self.last_checkpoint_s = 0.0
 
@@ -122,8 +125,10 @@ class Run:
         drafter = self.engine.model_drafter
         if drafter is None or self.engine.drafter_version is None:
             return None
-        return {"tensors": {n: t.detach() for n, t in trainable_named_tensors(drafter)},
-                "version": self.engine.drafter_version}
+        state = {"tensors": {n: t.detach() for n, t in trainable_named_tensors(drafter)},
+                 "version": self.engine.drafter_version}
+        trainer = self.drafter.trainer_state()   # the online trainer's optimizer, RNG, ...
+        return state if trainer is None else {**state, "trainer": trainer}
 
     def finish(self) -> None:
         self.drafter.close()

@@ -138,6 +138,31 @@ class SpotTrainer:
         self.stats.last = metrics
         return True
 
+    def state(self) -> dict:
+        """What a resumed run needs to continue training exactly here: the drafter's trainable
+        tensors, its optimizer, the version, counters, the RNG and the buffer's step (the
+        samples themselves are not kept: a resumed run refills the buffer in one step)."""
+        with self._lock:
+            return {"drafter": {n: t.detach().clone()
+                                for n, t in trainable_named_tensors(self.drafter)},
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                    "version": self.version, "steps": self.stats.steps,
+                    "tokens": self.stats.tokens, "rng": torch.get_rng_state(),
+                    "buffer_step": self.buffer.step}
+
+    def load_state(self, state: dict) -> None:
+        with self._lock, torch.no_grad():
+            params = dict(self.drafter.named_parameters())
+            for name, tensor in state["drafter"].items():
+                params[name].copy_(tensor)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            self.stats.steps = self.stats.steps_at_advance = int(state["steps"])
+            self.stats.tokens = int(state["tokens"])
+            torch.set_rng_state(state["rng"])
+            while self.buffer.step < int(state["buffer_step"]):
+                self.buffer.advance_step()
+
     def publish(self) -> Published:
         """The trainable tensors (host copies), a new version and their checksum."""
         with self._lock:

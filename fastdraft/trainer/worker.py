@@ -15,6 +15,7 @@ come back on a reply queue with their version and checksum.
 
 from __future__ import annotations
 
+import io
 import queue
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class WorkerSetup:
     seed: int
     num_threads: int
     max_steps_per_step: int = 0      # micro-steps per RL step at most (0: no cap)
+    state: bytes | None = None       # SpotTrainer.state() of a resumed run (torch.save bytes)
 
 
 def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> None:
@@ -51,6 +53,8 @@ def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any) -> N
     buffer = DataBuffer(setup.buffer_bytes, setup.offset_mix, seed=setup.seed)
     head = PolicyHead(setup.policy_config, setup.embed, setup.lm_head)
     trainer = SpotTrainer(setup.drafter, head, buffer, setup.spot)
+    if setup.state is not None:
+        trainer.load_state(unpickle_state(setup.state))
     cap = setup.max_steps_per_step or None
     while True:
         # Training: take what is queued without waiting, then one micro-step. Idle: wait.
@@ -81,6 +85,18 @@ def _encode(tensors: dict[str, torch.Tensor]) -> bytes:
 
 def _decode(blob: bytes) -> dict[str, torch.Tensor]:
     return load(blob)
+
+
+def pickle_state(tree: dict) -> bytes:
+    """A state tree (optimizer state: tensors in nested dicts) as bytes, between our own
+    processes only."""
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    return buf.getvalue()
+
+
+def unpickle_state(blob: bytes) -> dict:
+    return torch.load(io.BytesIO(blob), weights_only=True)
 
 
 def _encode_sample(s: Sample) -> tuple[dict[str, Any], bytes]:
@@ -114,6 +130,8 @@ def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
     elif kind == "paused":   # the loop cleared `go` at payload (perf_counter); we are idle now
         trainer.record_preemption(payload)
         replies.put(("stats", trainer.stats))
+    elif kind == "state":
+        replies.put(("state", pickle_state(trainer.state())))
     elif kind == "publish":
         published = trainer.publish()
         replies.put(("published", published.version, published.checksum,
@@ -167,6 +185,11 @@ class SpotWorker:
         self._inbox.put(("publish", None))
         _, version, checksum, blob, self.stats, self.buffer_bytes = self._reply("published")
         return Published(version, checksum, list(_decode(blob).items()))
+
+    def state(self) -> dict:
+        """The trainer's state (SpotTrainer.state), for the run's checkpoint."""
+        self._inbox.put(("state", None))
+        return unpickle_state(self._reply("state")[1])
 
     def close(self) -> None:
         if self.process.is_alive():

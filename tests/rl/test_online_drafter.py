@@ -39,9 +39,16 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
     trained = {n: t.clone() for n, t in trainable_named_tensors(run.engine.proposer.drafter)}
     # --resume puts the trained drafter (and its version) back into the engine.
     resumed = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_drafter}",
-                       "algorithm.num_steps=4"), tmp_path / "run", resume=True)
+                       "drafter.online.enabled=true", "algorithm.num_steps=4"),
+                  tmp_path / "run", resume=True)
     assert resumed.engine.drafter_version == run.engine.drafter_version
     for name, tensor in trainable_named_tensors(resumed.engine.proposer.drafter):
+        assert torch.equal(tensor, trained[name]), name
+    # ... and the online trainer continues where it was: counters, version, optimizer moments.
+    state = resumed.drafter.trainer_state()
+    assert state["steps"] == sum(r["drafter/train_steps"] for r in rows)
+    assert state["version"] == len(refreshed) and state["optimizer"]["state"]
+    for name, tensor in state["drafter"].items():
         assert torch.equal(tensor, trained[name]), name
     resumed.finish()
     # `fastdraft export` does it again from the run directory.
