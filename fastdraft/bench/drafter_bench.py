@@ -37,7 +37,8 @@ from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.losses import compute_drafter_loss
 from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent, draft_batch
 
-DRIFT_RUNS = {"stale": [], "kd": ["drafter.online.enabled=true", "drafter.online.loss=eagle1"],
+DRIFT_RUNS = {"stale": ["drafter.online.enabled=false"],
+              "kd": ["drafter.online.enabled=true", "drafter.online.loss=eagle1"],
               "reward_kd": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd"]}
 
 

@@ -11,7 +11,8 @@ from fastdraft.bench.drafter_bench import run_drafter_bench
 def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {char_drafter}\n"
-                      "  online:\n    token_budget: 64\n    tail_fraction: 1.0\nrollout:\n"
+                      "  online:\n    enabled: true\n    token_budget: 64\n"
+                      "    tail_fraction: 1.0\nrollout:\n"
                       "  prompts_per_step: 2\n  group_size: 4\n  max_new_tokens: 8\n"
                       "  max_batch_size: 8\n  spec:\n    method: eagle\n    depth: 3\n"
                       "    topk: 2\n    tokens_to_verify: 4\nalgorithm:\n  num_steps: 2\n")
