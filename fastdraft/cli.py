@@ -124,10 +124,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
-    if args.which == "recipe":
-        return _bench_recipe(args)
-    if args.which == "drafter":
-        return _bench_drafter(args)
+    if args.which in ("recipe", "drafter"):
+        return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
     if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -156,56 +154,17 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_recipe(args: argparse.Namespace) -> int:
-    from fastdraft.bench.recipe_bench import run_recipe_bench
-    recipe, overrides = _recipe_and_overrides(args)
-    out = run_recipe_bench(recipe, overrides, args.out_dir or Path("runs/bench-recipe"),
-                           args.json, args.cache_dir)
-    print(f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f}; step_time_ratio "
-          f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
-          f"on {out['on']['rollout_share']:.0%}")
-    print(f"reward first 5 / last 5: off {out['off']['reward_first5']:.3f} / "
-          f"{out['off']['reward_last5']:.3f}, on {out['on']['reward_first5']:.3f} / "
-          f"{out['on']['reward_last5']:.3f}; mean over the steps on - off "
-          f"{out['reward_mean_diff']:+.3f} (two training trajectories: not a paired test)")
-    law = out["law_check"]
-    if "reward_diff" in law:
-        print(f"same policy, {law['num_seeds']} seeds each: reward on - off "
-              f"{law['reward_diff']:+.4f} (95% {law['reward_diff_95'][0]:+.4f} .. "
-              f"{law['reward_diff_95'][1]:+.4f}), answer length on - off "
-              f"{law['length_diff']:+.2f} (95% {law['length_diff_95'][0]:+.2f} .. "
-              f"{law['length_diff_95'][1]:+.2f})")
-    print(f"plot: {out['plot']}")
-    return 0
-
-
-def _recipe_and_overrides(args: argparse.Namespace) -> tuple[Path, list[str]]:
+def _bench_from_recipe(args: argparse.Namespace) -> int:
+    """`bench recipe` and `bench drafter`: a recipe (default: the tiny one) and overrides."""
+    from fastdraft.bench import drafter_bench, recipe_bench
+    module, run = {"recipe": (recipe_bench, recipe_bench.run_recipe_bench),
+                   "drafter": (drafter_bench, drafter_bench.run_drafter_bench)}[args.which]
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
-    return recipe, overrides
-
-
-def _bench_drafter(args: argparse.Namespace) -> int:
-    from fastdraft.bench.drafter_bench import run_drafter_bench
-    recipe, overrides = _recipe_and_overrides(args)
-    out = run_drafter_bench(recipe, overrides, args.out_dir or Path("runs/bench-drafter"),
-                            args.json, args.cache_dir)
-    print(f"packing_speedup {out['packing_speedup']:.2f} ({out['packed_tokens_per_s']:.0f} vs "
-          f"{out['padded_tokens_per_s']:.0f} tok/s); preemption latency median "
-          f"{out['preemption_latency_s_median'] * 1e3:.0f} ms, max "
-          f"{out['preemption_latency_s_max'] * 1e3:.0f} ms; ckpt_blocking_ratio "
-          f"{out['ckpt_blocking_ratio']:.3f}")
-    drift = out["drift"]
-    print(f"on the drifted policy: accept length online (KD) {out['adaptive_accept_length']:.2f}"
-          f", reward-weighted KD {out['reward_kd_accept_length']:.2f}, stale "
-          f"{out['stale_accept_length']:.2f} (adaptive_vs_stale {out['adaptive_vs_stale']:.3f})"
-          f"; eval rollout time stale {drift['stale']['eval_rollout_time_s']:.1f}s, online "
-          f"{drift['kd']['eval_rollout_time_s']:.1f}s")
-    for name in ("stale", "kd", "reward_kd"):
-        r = drift[name]["rewards"]
-        print(f"{name}: reward first 5 {sum(r[:5]) / len(r[:5]):.3f} last 5 "
-              f"{sum(r[-5:]) / len(r[-5:]):.3f}; rollout {drift[name]['rollout_time_s']:.1f}s")
+    out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
+                     args.json, args.cache_dir)
+    print("\n".join(module.summary_lines(out)))
     return 0
 
 

@@ -196,3 +196,26 @@ def _ckpt_blocking(run: Run) -> dict[str, float]:
         manager.close()
     return {"ckpt_selective_blocking_s": selective, "ckpt_full_sync_s": full,
             "ckpt_blocking_ratio": selective / full}
+
+
+def summary_lines(out: dict[str, Any]) -> list[str]:
+    drift = out["drift"]
+    lines = [f"packing_speedup {out['packing_speedup']:.2f} ({out['packed_tokens_per_s']:.0f} vs "
+             f"{out['padded_tokens_per_s']:.0f} tok/s); preemption latency median "
+             f"{out['preemption_latency_s_median'] * 1e3:.0f} ms, max "
+             f"{out['preemption_latency_s_max'] * 1e3:.0f} ms; ckpt_blocking_ratio "
+             f"{out['ckpt_blocking_ratio']:.3f}",
+             f"on the drifted policy: accept length online (KD) "
+             f"{out['adaptive_accept_length']:.2f}, reward-weighted KD "
+             f"{out['reward_kd_accept_length']:.2f}, stale {out['stale_accept_length']:.2f} "
+             f"(adaptive_vs_stale {out['adaptive_vs_stale']:.3f}); eval rollout time stale "
+             f"{drift['stale']['eval_rollout_time_s']:.1f}s, online "
+             f"{drift['kd']['eval_rollout_time_s']:.1f}s"]
+    for name in DRIFT_RUNS:
+        r = drift[name]["rewards"]
+        lines.append(f"{name}: reward first 5 {sum(r[:5]) / len(r[:5]):.3f} last 5 "
+                     f"{sum(r[-5:]) / len(r[-5:]):.3f}; rollout "
+                     f"{drift[name]['rollout_time_s']:.1f}s, step "
+                     f"{drift[name]['step_time_s']:.1f}s")
+    return lines
+

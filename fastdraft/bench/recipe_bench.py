@@ -139,3 +139,22 @@ def _plot(rows: dict[str, list[dict[str, float]]], out: Path) -> Path:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def summary_lines(out: dict[str, Any]) -> list[str]:
+    lines = [f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f}; step_time_ratio "
+             f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
+             f"on {out['on']['rollout_share']:.0%}",
+             f"reward first 5 / last 5: off {out['off']['reward_first5']:.3f} / "
+             f"{out['off']['reward_last5']:.3f}, on {out['on']['reward_first5']:.3f} / "
+             f"{out['on']['reward_last5']:.3f}; mean over the steps on - off "
+             f"{out['reward_mean_diff']:+.3f} (two training trajectories: not a paired test)"]
+    law = out["law_check"]
+    if "reward_diff" in law:
+        lines.append(f"same policy, {law['num_seeds']} seeds each: reward on - off "
+                     f"{law['reward_diff']:+.4f} (95% {law['reward_diff_95'][0]:+.4f} .. "
+                     f"{law['reward_diff_95'][1]:+.4f}), answer length on - off "
+                     f"{law['length_diff']:+.2f} (95% {law['length_diff_95'][0]:+.2f} .. "
+                     f"{law['length_diff_95'][1]:+.2f})")
+    return [*lines, f"plot: {out['plot']}"]
+

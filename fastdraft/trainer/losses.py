@@ -18,13 +18,7 @@ import torch
 from torch import nn
 
 from fastdraft.drafter.base import Drafter
-from fastdraft.drafter.losses import (
-    DEFAULT_NUM_STEPS,
-    Metrics,
-    eagle1_loss,
-    eagle3_loss,
-    unrolled_loss,
-)
+from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, LOSSES, Metrics, unrolled_loss
 from fastdraft.models import HiddenStates
 from fastdraft.utils.registry import Registry
 
@@ -99,20 +93,18 @@ def _kind_check(drafter: Drafter, kind: str) -> None:
                          f"use drafter loss {drafter.kind!r} or 'reward_kd'")
 
 
-@register_drafter_loss("eagle1")
-def eagle1(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
-           num_steps: int = DEFAULT_NUM_STEPS["eagle1"]) -> tuple[torch.Tensor, Metrics]:
-    _kind_check(drafter, "eagle1")
-    return eagle1_loss(drafter, batch.input_ids, batch.hidden, batch.valid, lm_head,
-                       num_steps=num_steps, **_packing(batch))
+def _kind_loss(kind: str) -> DrafterLoss:
+    """The warm-up's loss of one drafter kind (drafter/losses.LOSSES) over a DraftBatch."""
+    def loss(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
+             num_steps: int = DEFAULT_NUM_STEPS[kind]) -> tuple[torch.Tensor, Metrics]:
+        _kind_check(drafter, kind)
+        return LOSSES[kind](drafter, batch.input_ids, batch.hidden, batch.valid, lm_head,
+                            num_steps=num_steps, **_packing(batch))
+    return loss
 
 
-@register_drafter_loss("eagle3")
-def eagle3(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
-           num_steps: int = DEFAULT_NUM_STEPS["eagle3"]) -> tuple[torch.Tensor, Metrics]:
-    _kind_check(drafter, "eagle3")
-    return eagle3_loss(drafter, batch.input_ids, batch.hidden, batch.valid, lm_head,
-                       num_steps=num_steps, **_packing(batch))
+for _kind in LOSSES:
+    register_drafter_loss(_kind)(_kind_loss(_kind))
 
 
 @register_drafter_loss("reward_kd")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from fastdraft.bench.drafter_bench import run_drafter_bench
+from fastdraft.bench.drafter_bench import run_drafter_bench, summary_lines
 
 
 def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, tmp_path):
@@ -25,3 +25,4 @@ def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, t
     assert out["drift"]["kd"]["drafter_version"] >= 1
     assert len(out["drift"]["reward_kd"]["rewards"]) == 2
     assert json.loads((tmp_path / "d.json").read_text())["adaptive_vs_stale"] > 0
+    assert all(isinstance(line, str) and line for line in summary_lines(out))

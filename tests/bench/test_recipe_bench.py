@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fastdraft.bench.recipe_bench import run_recipe_bench
+from fastdraft.bench.recipe_bench import run_recipe_bench, summary_lines
 
 
 def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
@@ -25,3 +25,4 @@ def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
         assert low <= law[f"{key}_diff"] <= high
     assert json.loads((tmp_path / "b.json").read_text())["num_steps"] == 2
     assert (tmp_path / "runs" / "recipe_bench.png").stat().st_size > 5000
+    assert all(isinstance(line, str) and line for line in summary_lines(out))
