@@ -63,3 +63,15 @@ def emit_records(sink: HiddenSink, request_indices: list[int], start_positions: 
             request_index=index, policy_version=policy_version,
             positions=torch.arange(start, start + n), token_ids=torch.tensor(tokens),
             final=host[0][row, :n].clone(), aux=tuple(h[row, :n].clone() for h in host[1:])))
+
+
+def forward_aux_layers(proposer: tuple[int, ...], capture: tuple[int, ...], num_layers: int
+                       ) -> tuple[int, ...]:
+    """The aux layers every forward computes: the proposer's (EAGLE-3) or the capture's."""
+    if any(not 0 <= i < num_layers for i in capture):
+        raise ValueError(f"capture_aux_layers={capture}: layer indices must be in "
+                         f"[0, {num_layers})")
+    if proposer and capture and proposer != capture:
+        raise ValueError(f"capture_aux_layers={capture} differ from the drafter's aux layers "
+                         f"{proposer}: one forward computes one set; capture the drafter's")
+    return proposer or capture

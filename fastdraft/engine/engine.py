@@ -11,7 +11,6 @@ DataBuffer listens), long before the batch's tail is done.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -19,12 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from fastdraft.engine.buckets import BucketPlan
-from fastdraft.engine.capture import HiddenSink, emit_records
+from fastdraft.engine.capture import HiddenSink, emit_records, forward_aux_layers
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.request import Completion, Request
-from fastdraft.engine.rng import Stream, seed_of, uniform_keyed
+from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
+from fastdraft.engine.rng import Stream, uniform_keyed
 from fastdraft.engine.sampler import sample
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
@@ -56,7 +55,7 @@ class RolloutEngine:
         envelope = Envelope.for_spec(max_seq_len or 4096, spec or SpecConfig())
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
-                   _generation_eos(Path(model_path)), drafter, spec or SpecConfig(), compile,
+                   generation_eos(Path(model_path)), drafter, spec or SpecConfig(), compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers)
 
     @classmethod
@@ -106,8 +105,8 @@ class RolloutEngine:
                                                             envelope, compile)
         # One set of aux layers per forward serves the proposer and the hidden-state capture.
         self.capture_aux_layers = tuple(capture_aux_layers)
-        self.aux_layers = _aux_layers(self.proposer.aux_layers, self.capture_aux_layers,
-                                      self.config.num_hidden_layers)
+        self.aux_layers = forward_aux_layers(self.proposer.aux_layers, self.capture_aux_layers,
+                                             self.config.num_hidden_layers)
         self.hidden_sink: HiddenSink | None = None  # set for the length of a generate call
         device = self.runner.device
         self.graphs = GraphPool(device, graphs)
@@ -134,7 +133,8 @@ class RolloutEngine:
         """Generates one completion per prompt; returns them in prompt order. Aggregated spec
         statistics of the call are in `engine.last_stats`. on_hidden receives the policy's
         hidden states of every committed token (engine/capture.py), step by step."""
-        requests = self._make_requests(prompt_token_ids, params)
+        requests = make_requests(prompt_token_ids, params, self.config.vocab_size,
+                                 self.max_seq_len, self.eos_token_ids)
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens)
         for request in requests:
             scheduler.add(request)
@@ -179,9 +179,8 @@ class RolloutEngine:
             raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
         named_tensors = list(named_tensors)
         if checksum is not None and (got := tensor_digest(named_tensors)) != checksum:
-            raise ValueError(f"drafter version {version}: checksum {got} of the received "
-                             f"tensors is not the published {checksum}; the drafter was not "
-                             "loaded")
+            raise ValueError(f"drafter version {version}: the received tensors' checksum {got} "
+                             f"is not the published {checksum}; nothing was loaded")
         load_named_tensors(drafter, named_tensors)
         self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
         return self.drafter_version
@@ -193,9 +192,8 @@ class RolloutEngine:
         return drafter if isinstance(drafter, torch.nn.Module) else None
 
     def fall_back_to_plain(self, reason: str) -> None:
-        """From the next generate call on, decode without speculation (a broken or collapsed
-        drafter must never make rollouts slower than plain decoding); `fallback_reason` says
-        why. Outputs keep the policy's law either way."""
+        """Plain decoding from the next generate call on: a broken drafter must never make
+        rollouts slower than plain decoding. `fallback_reason` says why."""
         self.spec = SpecConfig(method="none")
         self.drafter_version = None
         self.fallback_reason = reason
@@ -241,9 +239,7 @@ class RolloutEngine:
         finished = self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
                                      [[lp] for _, lp in rows])
         if self.hidden_sink is not None:  # every prompt position, paired with the next token
-            self._capture(requests, [0] * len(requests),
-                          [r.prompt_token_ids[1:] + r.output_token_ids[:1] for r in requests],
-                          hidden.final, hidden.aux)
+            self._capture(requests, [0] * len(requests), hidden.final, hidden.aux)
         return finished
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
@@ -383,61 +379,15 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------- helpers
     def _capture_commits(self, requests: list[Request], num_before: list[int]) -> None:
-        """A decode or verify step's commits: row i's hidden states sit in io.commit_final
-        (the root's first), paired with the tokens the request kept."""
-        self._capture(requests, [len(r.prompt_token_ids) + before - 1
-                                 for r, before in zip(requests, num_before)],
-                      [r.output_token_ids[before:] for r, before in zip(requests, num_before)],
-                      self.io.commit_final, self.io.commit_aux)
+        """A decode or verify step's commits (io.commit_final holds each row's root first)."""
+        starts = [len(r.prompt_token_ids) + b - 1 for r, b in zip(requests, num_before)]
+        self._capture(requests, starts, self.io.commit_final, self.io.commit_aux)
 
-    def _capture(self, requests: list[Request], starts: list[int], kept: list[list[int]],
-                 final: torch.Tensor, aux: tuple[torch.Tensor, ...]) -> None:
+    def _capture(self, requests: list[Request], starts: list[int], final: torch.Tensor,
+                 aux: tuple[torch.Tensor, ...]) -> None:
+        """Row i's hidden states (final[i, j]: position starts[i] + j) paired with the tokens
+        the request now holds after them."""
         assert self.hidden_sink is not None
+        kept = [(r.prompt_token_ids + r.output_token_ids)[s + 1:] for r, s in zip(requests, starts)]
         emit_records(self.hidden_sink, [r.index for r in requests], starts, kept, final,
                      aux if self.capture_aux_layers else (), self.policy_version)
-
-    def _make_requests(self, prompts: list[list[int]],
-                       params: SamplingParams | list[SamplingParams] | None) -> list[Request]:
-        """Checks every prompt before any work starts, so bad input loses nothing."""
-        params = params or SamplingParams()
-        per_request = params if isinstance(params, list) else [params] * len(prompts)
-        if len(per_request) != len(prompts):
-            raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
-        vocab = self.config.vocab_size
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompts, per_request)):
-            prompt = list(prompt)
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            if len(prompt) >= self.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(prompt)} tokens; the KV cache holds "
-                                 f"max_seq_len={self.max_seq_len} (prompt + answer): shorten the "
-                                 "prompt or raise max_seq_len")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-            stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
-                                                  else self.eos_token_ids)
-            seed = 0 if p.is_greedy else seed_of(p.seed, i)
-            requests.append(Request(i, prompt, p, stop, self.max_seq_len, seed))
-        return requests
-
-
-def _aux_layers(proposer: tuple[int, ...], capture: tuple[int, ...], num_layers: int
-                ) -> tuple[int, ...]:
-    """The aux layers every forward computes: the proposer's (EAGLE-3) or the capture's."""
-    if any(not 0 <= i < num_layers for i in capture):
-        raise ValueError(f"capture_aux_layers={capture}: layer indices must be in "
-                         f"[0, {num_layers})")
-    if proposer and capture and proposer != capture:
-        raise ValueError(f"capture_aux_layers={capture} differ from the drafter's aux layers "
-                         f"{proposer}: one forward computes one set; capture the drafter's")
-    return proposer or capture
-
-
-def _generation_eos(model_dir: Path) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
+from fastdraft.engine.rng import seed_of
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.stats import SpecStats
 
@@ -69,3 +72,38 @@ class Request:
         return Completion(self.index, self.prompt_token_ids, self.output_token_ids,
                           self.output_logprobs, self.finish_reason, policy_version,
                           drafter_version, self.spec if with_spec else None)
+
+
+def make_requests(prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None,
+                  vocab: int, max_seq_len: int, eos_token_ids: frozenset[int]) -> list[Request]:
+    """Checks every prompt before any work starts, so bad input loses nothing."""
+    params = params or SamplingParams()
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per_request) != len(prompts):
+        raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
+    requests = []
+    for i, (prompt, p) in enumerate(zip(prompts, per_request)):
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if len(prompt) >= max_seq_len:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; the KV cache holds "
+                             f"max_seq_len={max_seq_len} (prompt + answer): shorten the "
+                             "prompt or raise max_seq_len")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+        stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
+                                              else eos_token_ids)
+        seed = 0 if p.is_greedy else seed_of(p.seed, i)
+        requests.append(Request(i, prompt, p, stop, max_seq_len, seed))
+    return requests
+
+
+def generation_eos(model_dir: Path) -> tuple[int, ...]:
+    """The extra stop tokens a checkpoint's generation_config.json names."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
