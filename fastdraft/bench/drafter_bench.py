@@ -29,7 +29,6 @@ import torch
 from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
 from fastdraft.databuffer import DataBuffer, Sample, pack_rows, pad
-from fastdraft.drafter import build_drafter
 from fastdraft.engine import SamplingParams
 from fastdraft.rl.loop import train_step
 from fastdraft.rl.run import Run
@@ -113,9 +112,7 @@ def unit_costs(run: Run) -> dict[str, Any]:
     assert drafter is not None, "bench drafter needs rollout.spec.method=eagle"
     samples = _long_tail_samples(run)
     head = PolicyHead.of(policy)
-    fresh = build_drafter(drafter.kind, drafter.config, drafter.rope.cos.shape[0])
-    fresh.load_state_dict(drafter.state_dict())
-    fresh.attach(head)
+    fresh = drafter.detached().attach(head)
     budget = 2048
     packed, padded = _throughput(fresh, head, samples, budget, lambda s, _: pack_rows(s)), \
         _throughput(fresh, head, samples, budget, lambda s, _: pad(s))

@@ -43,6 +43,14 @@ class Drafter(nn.Module):
         self._borrowed = {"embed_tokens": policy.model.embed_tokens, "lm_head": policy.lm_head}
         return self
 
+    def detached(self) -> Drafter:
+        """A copy of the trainable layers (and draft vocabulary) that borrows nothing yet:
+        what travels to a trainer, which attaches it to its own copy of the policy head."""
+        copy = build_drafter(self.kind, self.config, self.rope.cos.shape[0])
+        copy.load_state_dict(self.state_dict())
+        copy.draft_token_ids = self.draft_token_ids
+        return copy
+
     @property
     def aux_layers(self) -> tuple[int, ...]:
         """Policy layers whose inputs the drafter reads (EAGLE-3); () = final hidden only."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 from fastdraft.config.sections import OnlineDrafterConfig
-from fastdraft.drafter import build_drafter
 from fastdraft.engine import Completion, RolloutEngine
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.spot import SpotConfig
@@ -28,14 +27,10 @@ class OnlineDrafter:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
                              "rollout.spec.method=eagle")
         self.cfg = cfg
-        # A detached copy (no borrowed policy tensors) travels to the worker.
-        fresh = build_drafter(drafter.kind, drafter.config, drafter.rope.cos.shape[0])
-        fresh.load_state_dict(drafter.state_dict())
-        fresh.draft_token_ids = drafter.draft_token_ids
         policy = engine.model
         tied = policy.config.tie_word_embeddings
         self.worker = SpotWorker(WorkerSetup(
-            drafter=fresh, policy_config=policy.config,
+            drafter=drafter.detached(), policy_config=policy.config,
             embed=policy.model.embed_tokens.weight.detach().cpu().clone(),
             lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
             spot=SpotConfig(loss=cfg.loss, lr=cfg.lr, token_budget=cfg.token_budget),

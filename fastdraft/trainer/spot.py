@@ -86,7 +86,7 @@ class SpotTrainer:
                  cfg: SpotConfig = SpotConfig()) -> None:
         self.cfg, self.buffer = cfg, buffer
         self.head = head
-        self.drafter = copy.deepcopy(drafter).attach(self.head).train()  # type: ignore[arg-type]
+        self.drafter = drafter.detached().attach(self.head).train()  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0)
         self.version = 0
         self.stats = SpotStats()
