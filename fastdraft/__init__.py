@@ -1,6 +1,7 @@
 """fastdraft: lossless speculative rollouts for RL post-training.
 
     from fastdraft import RolloutEngine, SamplingParams, SpecConfig     # the rollout engine
+    from fastdraft import TunerConfig                                   # per-step speculation
     from fastdraft import RunConfig, load_recipe, run_recipe            # the GRPO main job
 """
 
@@ -8,10 +9,12 @@ from fastdraft.config import RunConfig, load_recipe
 from fastdraft.engine import Completion, FinishReason, RolloutEngine, SamplingParams
 from fastdraft.engine.buckets import BucketPlan
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.tuner import TunerConfig
 
 __version__ = "0.1.0"
 __all__ = ["BucketPlan", "Completion", "FinishReason", "RolloutEngine", "RunConfig",
-           "SamplingParams", "SpecConfig", "__version__", "load_recipe", "run_recipe"]
+           "SamplingParams", "SpecConfig", "TunerConfig", "__version__", "load_recipe",
+           "run_recipe"]
 
 
 def run_recipe(*args, **kwargs):

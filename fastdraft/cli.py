@@ -77,19 +77,20 @@ def run_generate_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter"],
+    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
-                   help="recipe, drafter: RECIPE.yaml [section.key=value ...] (default: "
+                   help="recipe, drafter, rollout: RECIPE.yaml [section.key=value ...] (default: "
                         "recipes/tiny-grpo.yaml)")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="recipe, drafter: where the runs go (default: runs/bench-WHICH)")
+                   help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
     _cache_arg(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
     p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats (rollout: rounds after the warm-up round)")
     p.add_argument("--compile", action="store_true",
                    help="spec: torch.compile every method's steps (slow to warm up)")
     p.add_argument("--no-compile", action="store_true",
@@ -124,7 +125,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
-    if args.which in ("recipe", "drafter"):
+    if args.which in ("recipe", "drafter", "rollout"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
@@ -155,15 +156,17 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 
 def _bench_from_recipe(args: argparse.Namespace) -> int:
-    """`bench recipe` and `bench drafter`: a recipe (default: the tiny one) and overrides."""
-    from fastdraft.bench import drafter_bench, recipe_bench
+    """`bench recipe | drafter | rollout`: a recipe (default: the tiny one) and overrides."""
+    from fastdraft.bench import drafter_bench, recipe_bench, rollout_bench
     module, run = {"recipe": (recipe_bench, recipe_bench.run_recipe_bench),
-                   "drafter": (drafter_bench, drafter_bench.run_drafter_bench)}[args.which]
+                   "drafter": (drafter_bench, drafter_bench.run_drafter_bench),
+                   "rollout": (rollout_bench, rollout_bench.run_rollout_bench)}[args.which]
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
+    extra = {"rounds": args.repeats} if args.which == "rollout" else {}
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
-                     args.json, args.cache_dir)
+              args.json, args.cache_dir, **extra)
     print("\n".join(module.summary_lines(out)))
     return 0
 

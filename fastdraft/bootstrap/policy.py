@@ -33,7 +33,8 @@ from fastdraft.utils.schedule import warmup_cosine_lr
 
 #: Bumped whenever encoding or training changes meaning, so stale caches are not reused.
 #: 2: deterministic training (pinned threads, forked init RNG), weights digest in the report.
-FORMAT_VERSION = 2
+#: 3: restarts from a fresh init when an attempt stays on the learning plateau.
+FORMAT_VERSION = 3
 IGNORE_INDEX = -100
 EOS_ID, BOS_ID = 1, 2
 
@@ -55,6 +56,15 @@ class BootstrapSpec:
     ``num_threads``: torch intra-op threads for training and evaluation, whatever the machine
     has: CPU kernels may split reductions by thread count, so the count is pinned, recorded and
     part of the digest (``determinism.py``).
+    ``restart_after``, ``restart_below``, ``max_attempts``: modsum is learnt through a plateau
+    (loss ~0.72, dev exact match ~1%) that an initialisation leaves after 300-650 steps, or
+    not within 1600: seed 0 escaped at step 650 on one machine and never on another (AMD EPYC,
+    AVX2: 1 or 2 threads, three learning rates, up to 1600 steps), where seed 1 escaped by 425
+    (dev 4% at 300, 16% at 400) and seed 1 at 2 threads was at 9% by 500. Which init escapes
+    depends on the CPU's arithmetic, so an attempt whose dev exact match is still below
+    ``restart_below`` at step ``restart_after`` is abandoned (the stuck ones measured 0-1.6%
+    there) and training starts again from a fresh init and data stream (attempt k uses
+    seed + k), up to ``max_attempts``; the last attempt trains its full ``steps``.
     """
 
     task: str = "modsum"
@@ -76,6 +86,9 @@ class BootstrapSpec:
     thin_above_tokens: int = 22
     thin_keep: float = 0.25
     stop_at_short_accuracy: float = 0.35
+    restart_after: int = 500
+    restart_below: float = 0.04
+    max_attempts: int = 3
     check_every: int = 25
     num_dev: int = 128
     num_threads: int = 2
@@ -86,7 +99,8 @@ class BootstrapSpec:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "steps", "batch_size", "bucket_batches", "check_every", "num_dev",
-                     "num_threads", "num_heldout", "eval_batch_size", "max_new_tokens"):
+                     "num_threads", "num_heldout", "eval_batch_size", "max_new_tokens",
+                     "restart_after", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BootstrapSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -102,6 +116,9 @@ class BootstrapSpec:
         if not 0 <= self.stop_at_short_accuracy <= 1:
             raise ValueError(f"stop_at_short_accuracy={self.stop_at_short_accuracy} must be in "
                              "[0, 1] (0 trains all steps)")
+        if not 0 <= self.restart_below <= 1:
+            raise ValueError(f"restart_below={self.restart_below} must be in [0, 1] (0 never "
+                             "restarts)")
         if not 0 < self.thin_keep <= 1:
             raise ValueError(f"thin_keep={self.thin_keep} must be in (0, 1] (1 keeps every "
                              "long problem)")
@@ -248,15 +265,18 @@ class TrainResult:
     seconds: float
     tokens: int
     dev_exact_match: float | None = None
+    abandoned: bool = False     # stopped on the plateau at spec.restart_after (see BootstrapSpec)
+    attempts: int = 1
 
 
 def train_policy(model: CausalLM, batches: Iterator[Batch], spec: BootstrapSpec,
                  log: Callable[[str], None] = print, log_every: int = 100,
-                 dev: Batch | None = None) -> TrainResult:
+                 dev: Batch | None = None, may_abandon: bool = False) -> TrainResult:
     """AdamW + warmup/cosine in fp32 for ``spec.steps`` steps; norms, biases and embeddings
     get no weight decay (the embedding is tied to lm_head). With ``dev`` (and
     ``spec.stop_at_short_accuracy`` > 0), every ``spec.check_every`` steps the exact-match rate
-    on ``dev`` is measured and training stops once it reaches ``stop_at_short_accuracy``."""
+    on ``dev`` is measured and training stops once it reaches ``stop_at_short_accuracy``;
+    with ``may_abandon``, also once it is still below ``restart_below`` at ``restart_after``."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": spec.weight_decay},
@@ -291,6 +311,11 @@ def train_policy(model: CausalLM, batches: Iterator[Batch], spec: BootstrapSpec,
                 log(f"bootstrap: stopping at step {step + 1}/{spec.steps}: dev exact match "
                     f"{dev_acc:.3f} >= {spec.stop_at_short_accuracy}")
                 break
+            if may_abandon and step + 1 >= spec.restart_after and dev_acc < spec.restart_below:
+                log(f"bootstrap: dev exact match {dev_acc:.3f} < {spec.restart_below} at step "
+                    f"{step + 1}: still on the plateau, restarting from a fresh init")
+                model.eval()
+                return TrainResult(losses, time.perf_counter() - start, tokens, dev_acc, True)
     model.eval()
     return TrainResult(losses, time.perf_counter() - start, tokens, dev_acc)
 
@@ -322,15 +347,25 @@ def train_bootstrap(spec: BootstrapSpec, seed: int, tokenizer: _Encoder,
     is pinned, and what differs across CPUs)."""
     dev = dev_problems(spec, seed, tokenizer)
     exclude = frozenset(p.prompt for p in [*heldout_problems(spec, seed), *dev])
+    dev_batch = collate([encode_example(tokenizer, p) for p in dev])
+    losses: list[float] = []
+    seconds, tokens = 0.0, 0
     with deterministic_cpu(spec.num_threads):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = CausalLM(model_config(spec))
-            init_weights(model)
-        log(f"bootstrap: training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-param "
-            f"{spec.task} policy for up to {spec.steps} steps on {spec.num_threads} threads")
-        batches = batch_stream(get_task(spec.task), tokenizer, spec,
-                               random.Random(f"fastdraft-bootstrap-{seed}"), exclude)
-        dev_batch = collate([encode_example(tokenizer, p) for p in dev])
-        trained = train_policy(model, batches, spec, log, dev=dev_batch)
-    return model, trained
+        for attempt in range(spec.max_attempts):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + attempt)
+                model = CausalLM(model_config(spec))
+                init_weights(model)
+            log(f"bootstrap: training a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-"
+                f"param {spec.task} policy for up to {spec.steps} steps on {spec.num_threads} "
+                f"threads" + (f" (attempt {attempt + 1})" if attempt else ""))
+            batches = batch_stream(get_task(spec.task), tokenizer, spec,
+                                   random.Random(f"fastdraft-bootstrap-{seed + attempt}"), exclude)
+            trained = train_policy(model, batches, spec, log, dev=dev_batch,
+                                   may_abandon=attempt + 1 < spec.max_attempts)
+            losses += trained.losses
+            seconds, tokens = seconds + trained.seconds, tokens + trained.tokens
+            if not trained.abandoned:
+                break
+    return model, TrainResult(losses, seconds, tokens, trained.dev_exact_match,
+                              attempts=attempt + 1)

@@ -67,7 +67,8 @@ class BootstrapReport:
     weights_digest: str
     torch_version: str
     cpu_capability: str
-    train_steps: int
+    train_steps: int            # over every attempt (see BootstrapSpec.restart_after)
+    train_attempts: int
     train_tokens: int
     final_loss: float
     train_seconds: float
@@ -204,7 +205,8 @@ def _build(tmp: Path, final: Path, spec: BootstrapSpec, seed: int, log: Log) -> 
         policy_dir=final / POLICY_SUBDIR, task=spec.task, seed=seed,
         spec_digest=spec.digest(seed), spec=asdict(spec), num_params=num_params,
         weights_digest=digest, **runtime_info(),
-        train_steps=len(trained.losses), train_tokens=trained.tokens,
+        train_steps=len(trained.losses), train_attempts=trained.attempts,
+        train_tokens=trained.tokens,
         final_loss=sum(trained.losses[-50:]) / len(trained.losses[-50:]),
         train_seconds=trained.seconds, eval_seconds=eval_seconds,
         total_seconds=time.perf_counter() - start, torch_threads=spec.num_threads,

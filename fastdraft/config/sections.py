@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.tuner import TunerConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,6 +54,35 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TunerSection:
+    """rollout.tuner: the speculation config picked per engine step by the BEG-MAB tuner
+    (engine/spec/tuner.py). buckets: {min_batch: [arm, ...]}, an arm 'off' or
+    'method/depth/topk/tokens_to_verify', the prior's favourite first; empty: default arms
+    around rollout.spec (its tree the largest), "off" first from elastic_threshold requests."""
+
+    enabled: bool = False
+    buckets: dict[int, list[str]] = field(default_factory=dict)
+    epsilon: float = 0.1
+    window: int = 300
+    max_age: int = 3000
+    elastic_threshold: int = 32
+
+    def __post_init__(self) -> None:
+        _require(self.elastic_threshold >= 2, "rollout.tuner.elastic_threshold must be >= 2")
+        if self.buckets:   # malformed arms fail when the recipe loads, not mid-run
+            self.build(SpecConfig(method="eagle"), seed=0)
+
+    def build(self, spec: SpecConfig, seed: int, max_batch: int = 256) -> TunerConfig:
+        knobs = dict(epsilon=self.epsilon, window=self.window, max_age=self.max_age, seed=seed)
+        try:
+            if self.buckets:
+                return TunerConfig.from_names(self.buckets, **knobs)
+            return TunerConfig.default(spec, self.elastic_threshold, max_batch, **knobs)
+        except ValueError as err:
+            raise ValueError(f"rollout.tuner: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """prompts_per_step prompts, group_size samples each (GRPO's n), served by the engine."""
 
@@ -66,10 +96,13 @@ class RolloutConfig:
     max_seq_len: int | None = None      # None: the longest prompt + max_new_tokens
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="eagle", depth=6, topk=3,
                                                                 tokens_to_verify=12))
+    tuner: TunerSection = field(default_factory=TunerSection)
     graphs: bool | None = None          # None: CUDA graphs on CUDA devices
     compile: bool = False
 
     def __post_init__(self) -> None:
+        _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
+                 "speculative rollout.spec.method (e.g. eagle): the tuner picks among its trees")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
             _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1")
         _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdraft.engine.request import Request
+
 
 @dataclass(frozen=True, slots=True)
 class HiddenRecord:
@@ -63,6 +65,21 @@ def emit_records(sink: HiddenSink, request_indices: list[int], start_positions: 
             request_index=index, policy_version=policy_version,
             positions=torch.arange(start, start + n), token_ids=torch.tensor(tokens),
             final=host[0][row, :n].clone(), aux=tuple(h[row, :n].clone() for h in host[1:])))
+
+
+def emit_request_records(sink: HiddenSink, requests: list[Request], starts: list[int],
+                         final: torch.Tensor, aux: tuple[torch.Tensor, ...],
+                         policy_version: int) -> None:
+    """Row i's hidden states (final[i, j]: position starts[i] + j) paired with the tokens
+    request i now holds after them."""
+    kept = [(r.prompt_token_ids + r.output_token_ids)[s + 1:] for r, s in zip(requests, starts)]
+    emit_records(sink, [r.index for r in requests], starts, kept, final, aux, policy_version)
+
+
+def commit_starts(requests: list[Request], num_before: list[int]) -> list[int]:
+    """Position of each row's root in a decode or verify step (io.commit_final's first column)
+    given the tokens each request held before the step."""
+    return [len(r.prompt_token_ids) + b - 1 for r, b in zip(requests, num_before)]
 
 
 def forward_aux_layers(proposer: tuple[int, ...], capture: tuple[int, ...], num_layers: int

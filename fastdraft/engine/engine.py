@@ -11,6 +11,7 @@ DataBuffer listens), long before the batch's tail is done.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -18,7 +19,12 @@ import torch
 from tqdm.auto import tqdm
 
 from fastdraft.engine.buckets import BucketPlan
-from fastdraft.engine.capture import HiddenSink, emit_records, forward_aux_layers
+from fastdraft.engine.capture import (
+    HiddenSink,
+    commit_starts,
+    emit_request_records,
+    forward_aux_layers,
+)
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
@@ -32,9 +38,10 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.engine.spec.tuner import TunerConfig, arm_name, check_tuner
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.engine.trace import RolloutTrace
-from fastdraft.models import CausalLM, load_model, load_named_tensors
+from fastdraft.models import CausalLM, HiddenStates, load_model, load_named_tensors
 from fastdraft.utils.digest import tensor_digest
 
 OnFinish = Callable[[Completion], None]
@@ -50,13 +57,15 @@ class RolloutEngine:
                  max_prefill_tokens: int = 16384, drafter: str | Path | None = None,
                  spec: SpecConfig | None = None, compile: bool = False,
                  graphs: bool | None = None, buckets: BucketPlan | None = None,
-                 capture_aux_layers: tuple[int, ...] = ()) -> None:
+                 capture_aux_layers: tuple[int, ...] = (),
+                 tuner: TunerConfig | None = None) -> None:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-        envelope = Envelope.for_spec(max_seq_len or 4096, spec or SpecConfig())
+        spec = spec or SpecConfig()
+        envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
-                   generation_eos(Path(model_path)), drafter, spec or SpecConfig(), compile,
-                   graphs, buckets, capture_aux_layers=capture_aux_layers)
+                   generation_eos(Path(model_path)), drafter, spec, compile,
+                   graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -64,7 +73,8 @@ class RolloutEngine:
                    spec: SpecConfig | None = None, compile: bool = False,
                    graphs: bool | None = None, buckets: BucketPlan | None = None,
                    proposer: Proposer | None = None, share_weights: bool = False,
-                   capture_aux_layers: tuple[int, ...] = ()) -> RolloutEngine:
+                   capture_aux_layers: tuple[int, ...] = (),
+                   tuner: TunerConfig | None = None) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -75,7 +85,7 @@ class RolloutEngine:
         the model it was attached to, so attach it to `engine.model` (or share the weights)
         when the policy will be updated with `load_weights`."""
         spec = spec or SpecConfig()
-        envelope = Envelope.for_spec(max_seq_len, spec)
+        envelope = Envelope.for_spec(max_seq_len, spec, tuner.arms if tuner else ())
         if model.rope.cos.shape[0] < envelope.rope_len:
             raise ValueError(f"the model's rotary table covers {model.rope.cos.shape[0]} "
                              f"positions, less than {envelope.rope_len} needed")
@@ -83,16 +93,18 @@ class RolloutEngine:
             model = copy.deepcopy(model)
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
-                     spec, compile, graphs, buckets, proposer, capture_aux_layers)
+                     spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
               max_prefill_tokens: int, extra_eos: tuple[int, ...], drafter: str | Path | None,
               spec: SpecConfig, compile: bool = False, graphs: bool | None = None,
               buckets: BucketPlan | None = None, proposer: Proposer | None = None,
-              capture_aux_layers: tuple[int, ...] = ()) -> None:
+              capture_aux_layers: tuple[int, ...] = (),
+              tuner: TunerConfig | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        self.tuner = check_tuner(tuner, spec)
         self.model = model
         self.config = model.config
         self.envelope = envelope
@@ -124,6 +136,7 @@ class RolloutEngine:
         self.last_stats = SpecStats()
         self.last_trace = RolloutTrace()
         self.fallback_reason: str | None = None
+        self.last_arm, self.last_num_tokens = "prefill", 0   # what the last step ran, made
 
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
@@ -147,7 +160,9 @@ class RolloutEngine:
         with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
             while scheduler.has_work:
                 trace.record(unfinished)
-                for request in self.step(scheduler):
+                finished = self.step(scheduler)
+                trace.end_step(self.last_arm, self.last_num_tokens)
+                for request in finished:
                     unfinished -= 1
                     self.proposer.on_finish(request)
                     self.last_stats.merge(request.spec)
@@ -208,11 +223,10 @@ class RolloutEngine:
     def step(self, scheduler: Scheduler) -> list[Request]:
         batch = scheduler.schedule()
         if batch.phase is Phase.PREFILL:
+            self.last_arm, self.last_num_tokens = "prefill", len(batch.requests)
             finished = self._prefill(scheduler, batch)
-        elif self.spec.enabled:
-            finished = self._speculate(scheduler, batch)
         else:
-            finished = self._decode(scheduler, batch)
+            finished = self._generate_step(scheduler, batch)
         moves = scheduler.take_moves()
         if moves:  # keep the running requests in slots 0..n-1
             self.runner.move(moves)
@@ -239,10 +253,31 @@ class RolloutEngine:
         finished = self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
                                      [[lp] for _, lp in rows])
         if self.hidden_sink is not None:  # every prompt position, paired with the next token
-            self._capture(requests, [0] * len(requests), hidden.final, hidden.aux)
+            self._capture(requests, [0] * len(requests), hidden)
+        return finished
+
+    def _generate_step(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+        """One decode or speculative step: the spec's tree, or the tuner's arm for this batch
+        size, whose reward (tokens produced per second of the step) it then records."""
+        requests = batch.requests
+        cfg = self.spec
+        if self.tuner is not None and cfg.enabled:
+            cfg = self.tuner.select(len(requests))
+        num_before = sum(len(r.output_token_ids) for r in requests)
+        start = time.perf_counter()
+        finished = (self._speculate(scheduler, batch, cfg) if cfg.enabled
+                    else self._decode(scheduler, batch))
+        elapsed = time.perf_counter() - start
+        self.last_arm = arm_name(cfg)
+        self.last_num_tokens = sum(len(r.output_token_ids) for r in requests) - num_before
+        if self.tuner is not None and self.spec.enabled:
+            self.tuner.record(cfg, self.last_num_tokens, len(requests), elapsed)
         return finished
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+        """A plain decode step. With a drafter on device (speculation switched off for this
+        step) the drafter is fed the sampled tokens and the policy's hidden states, so the
+        next speculative step drafts from a cache in step: no re-prefill, no lost acceptance."""
         requests = batch.requests
         size = self.buckets.batch_bucket(len(requests))
         lengths = [r.num_tokens for r in requests]
@@ -251,36 +286,41 @@ class RolloutEngine:
         sees_all = size == len(requests) and min(lengths) == ctx_len
         mode = SamplingMode.of(requests)
         capture = self.hidden_sink is not None
+        feed = self.spec.enabled and self.proposer.drafts_on_device
         self.io.load([r.last_token_id for r in requests], [n - 1 for n in lengths], size)
-        self.graphs.run(("decode", size, ctx_len, mode, sees_all, capture),
-                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, capture))
+        self.graphs.run(("decode", size, ctx_len, mode, sees_all, capture or feed),
+                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, capture or feed))
+        if feed:  # the drafter's cell of the new token sits one past the policy's context
+            commit_ctx = self.buckets.context_bucket(max(lengths) + 1)
+            self.graphs.run(("commit", size, commit_ctx, 1),
+                            lambda: self.proposer.commit(self.io, size, commit_ctx, width=1))
         rows = self.io.read_out(len(requests))
         num_before = [len(r.output_token_ids) for r in requests]
         finished = self._postprocess(scheduler, batch, [[int(r[0])] for r in rows],
                                      [[r[1]] for r in rows])
         if capture:
-            self._capture_commits(requests, num_before)
+            self._capture(requests, commit_starts(requests, num_before))
         return finished
 
     def _decode_stage(self, size: int, ctx_len: int, mode: SamplingMode,
-                      sees_all: bool = False, capture: bool = False) -> None:
+                      sees_all: bool = False, keep_hidden: bool = False) -> None:
         io = self.io
         positions = io.root_pos[:size]
         logits, hidden = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all,
-                                            self.aux_layers if capture else ())
-        if capture:
-            for dst, src in zip((io.commit_final, *io.commit_aux), (hidden.final, *hidden.aux)):
-                dst[:size, :1] = src
+                                            self.aux_layers if keep_hidden else ())
         st = io.sampling.rows(size)
         uniforms = None if mode is SamplingMode.GREEDY else uniform_keyed(
             st.key(Stream.SAMPLE), (positions + 1).unsqueeze(1)).squeeze(1)
         tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
+        if keep_hidden:  # for the capture and the drafter's commit
+            io.keep_decoded(tokens, hidden)
         io.out[:size, 0] = tokens
         io.out[:size, 1] = logprobs
 
-    def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+    def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch, cfg: SpecConfig
+                   ) -> list[Request]:
         """propose -> verify (one policy forward over every tree) -> accept -> postprocess."""
-        requests, cfg, io, proposer = batch.requests, self.spec, self.io, self.proposer
+        requests, io, proposer = batch.requests, self.io, self.proposer
         size = self.buckets.batch_bucket(len(requests))
         root_pos = [r.num_tokens - 1 for r in requests]
         ctx_len = self.buckets.context_bucket(max(root_pos) + 1 + self.envelope.tree_cells)
@@ -302,7 +342,8 @@ class RolloutEngine:
                         lambda: self._verify_stage(size, ctx_len, width, cfg.depth, mode,
                                                    sampled_drafts, capture))
         if proposer.drafts_on_device:
-            self.graphs.run(("commit", size, ctx_len), lambda: proposer.commit(io, size, ctx_len))
+            self.graphs.run(("commit", size, ctx_len, io.commit_width),
+                            lambda: proposer.commit(io, size, ctx_len))
         rows = io.read_out(len(requests))
         num_before = [len(r.output_token_ids) for r in requests]
         w = io.commit_width
@@ -311,13 +352,9 @@ class RolloutEngine:
             scheduler, batch, [[int(t) for t in row[3: 3 + n]] for row, n in zip(rows, counts)],
             [row[3 + w: 3 + w + n] for row, n in zip(rows, counts)])
         for r, row, before in zip(requests, rows, num_before):
-            # Count only the accepted draft tokens the request kept: a path that runs past a
-            # stop token (or the length limit) is cut there.
-            kept = min(int(row[0]), len(r.output_token_ids) - before)
-            r.spec.record(int(row[1]), int(row[2]),
-                          [int(s) for s in row[3 + 2 * w: 3 + 2 * w + kept]])
+            r.spec.record_row(row, w, len(r.output_token_ids) - before)
         if capture:
-            self._capture_commits(requests, num_before)
+            self._capture(requests, commit_starts(requests, num_before))
         return finished
 
     def _verify_stage(self, size: int, ctx_len: int, width: int, depth: int,
@@ -338,33 +375,8 @@ class RolloutEngine:
             acc = accept_sampled(drafts, logits, st, node_u, bonus_u, depth, mode.needs_filter,
                                  stop_early=self.eager_shortcuts)
         self.runner.compact(root_pos, acc)
-        # The drafter's commit (and the capture): the accepted tokens + bonus and the policy's
-        # hidden states of the tokens before them (the root, then each accepted node).
-        cols = depth + 1
-        io.accepted_ids[:size, :cols] = acc.token_ids
-        io.accepted_ids[:size, cols:] = 0
-        io.num_accepted[:size] = acc.num_accepted
-        if self.proposer.drafts_on_device or capture:
-            rows = torch.cat([torch.zeros_like(root_pos).unsqueeze(1), (acc.path + 1).clamp_min(0)],
-                             1).unsqueeze(-1)
-            for dst, src in zip((io.commit_final, *io.commit_aux),
-                                (hidden.final, *hidden.aux)):
-                assert dst is not None
-                dst[:size, :cols] = src.gather(1, rows.expand(-1, -1, src.shape[-1]))
-        # The step's one transfer: [num_accepted, num_nodes, tree depth, tokens, logprobs,
-        # sources of the path's nodes] per row.
-        w = io.commit_width
-        real = torch.arange(width, device=root_pos.device) < drafts.num_nodes.unsqueeze(1)
-        out = io.out[:size]
-        out.zero_()
-        out[:, 0] = acc.num_accepted
-        out[:, 1] = drafts.num_nodes
-        out[:, 2] = torch.where(real, drafts.depths, 0).amax(1) if width else 0
-        out[:, 3: 3 + cols] = acc.token_ids
-        out[:, 3 + w: 3 + w + cols] = acc.logprobs
-        if width:
-            out[:, 3 + 2 * w: 3 + 2 * w + depth] = drafts.sources.gather(
-                1, acc.path.clamp_min(0)).double()
+        io.keep_accepted(acc, hidden, depth, with_hidden=self.proposer.drafts_on_device or capture)
+        io.write_spec_out(acc, drafts, depth)
 
     def _postprocess(self, scheduler: Scheduler, batch: ScheduledBatch,
                      token_ids: list[list[int]], logprobs: list[list[float]]) -> list[Request]:
@@ -377,17 +389,11 @@ class RolloutEngine:
                     self.proposer.on_tokens(r, r.output_token_ids[before:])
         return finished
 
-    # ------------------------------------------------------------------------------- helpers
-    def _capture_commits(self, requests: list[Request], num_before: list[int]) -> None:
-        """A decode or verify step's commits (io.commit_final holds each row's root first)."""
-        starts = [len(r.prompt_token_ids) + b - 1 for r, b in zip(requests, num_before)]
-        self._capture(requests, starts, self.io.commit_final, self.io.commit_aux)
-
-    def _capture(self, requests: list[Request], starts: list[int], final: torch.Tensor,
-                 aux: tuple[torch.Tensor, ...]) -> None:
-        """Row i's hidden states (final[i, j]: position starts[i] + j) paired with the tokens
-        the request now holds after them."""
+    def _capture(self, requests: list[Request], starts: list[int],
+                 hidden: HiddenStates | None = None) -> None:
+        """Hands the sink the step's hidden states (default: the commit buffers)."""
         assert self.hidden_sink is not None
-        kept = [(r.prompt_token_ids + r.output_token_ids)[s + 1:] for r, s in zip(requests, starts)]
-        emit_records(self.hidden_sink, [r.index for r in requests], starts, kept, final,
-                     aux if self.capture_aux_layers else (), self.policy_version)
+        final, aux = ((hidden.final, hidden.aux) if hidden is not None
+                      else (self.io.commit_final, self.io.commit_aux))
+        emit_request_records(self.hidden_sink, requests, starts, final,
+                             aux if self.capture_aux_layers else (), self.policy_version)

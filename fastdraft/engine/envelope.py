@@ -4,6 +4,7 @@ is admitted only if it fits (`fits`), and everything a step touches lies inside 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,12 +30,16 @@ class Envelope:
             raise ValueError("speculation bounds must be >= 0")
 
     @classmethod
-    def for_spec(cls, max_seq_len: int, spec: SpecConfig) -> Envelope:
-        """The envelope of one speculation config (none: no tree cells at all)."""
-        if not spec.enabled:
+    def for_spec(cls, max_seq_len: int, spec: SpecConfig,
+                 arms: Iterable[SpecConfig] = ()) -> Envelope:
+        """The envelope of the largest tree among spec and the arms a tuner may pick per step
+        (only "none": no tree cells at all)."""
+        enabled = [a for a in (spec, *arms) if a.enabled]
+        if not enabled:
             return cls(max_seq_len=max_seq_len)
-        return cls(max_seq_len=max_seq_len, max_depth=spec.depth, max_topk=spec.topk,
-                   max_tree_nodes=spec.tokens_to_verify)
+        return cls(max_seq_len=max_seq_len, max_depth=max(a.depth for a in enabled),
+                   max_topk=max(a.topk for a in enabled),
+                   max_tree_nodes=max(a.tokens_to_verify for a in enabled))
 
     @property
     def num_draft_scratch(self) -> int:

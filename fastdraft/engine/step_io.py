@@ -9,13 +9,18 @@ envelope's largest sizes, and steps use leading slices ([:B] rows, [:width] node
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.request import Request
 from fastdraft.engine.slot_state import SlotSampling
-from fastdraft.engine.spec.batch import DraftBuffers
+from fastdraft.engine.spec.batch import DraftBatch, DraftBuffers
+
+if TYPE_CHECKING:
+    from fastdraft.engine.spec.accept import AcceptedBatch
+    from fastdraft.models import HiddenStates
 
 
 class SamplingMode(IntEnum):
@@ -75,3 +80,46 @@ class StepIO:
     def read_out(self, num_rows: int) -> list[list[float]]:
         """The step's one device -> host transfer (and its one wait)."""
         return self.out[:num_rows].tolist()
+
+    # ------------------------------------------------------- inside a step's captured stages
+    def keep_accepted(self, acc: AcceptedBatch, hidden: HiddenStates, depth: int,
+                      with_hidden: bool) -> None:
+        """What the drafter's commit (and the capture) read after a verify: the accepted tokens
+        + bonus, and the policy's hidden states of the tokens before them (the root, then each
+        accepted node)."""
+        size, cols = acc.token_ids.shape
+        self.accepted_ids[:size, :cols] = acc.token_ids
+        self.accepted_ids[:size, cols:] = 0
+        self.num_accepted[:size] = acc.num_accepted
+        if with_hidden:
+            rows = torch.cat([torch.zeros_like(acc.num_accepted).unsqueeze(1),
+                              (acc.path + 1).clamp_min(0)], 1).unsqueeze(-1)
+            for dst, src in zip((self.commit_final, *self.commit_aux),
+                                (hidden.final, *hidden.aux)):
+                dst[:size, :cols] = src.gather(1, rows.expand(-1, -1, src.shape[-1]))
+
+    def keep_decoded(self, tokens: torch.Tensor, hidden: HiddenStates) -> None:
+        """The same after a plain decode step (tokens [B], hidden [B, 1, H]): one accepted
+        column, the sampled token, so the drafter stays in step while speculation is off."""
+        size = tokens.shape[0]
+        self.accepted_ids[:size, 0] = tokens
+        self.num_accepted[:size] = 0
+        for dst, src in zip((self.commit_final, *self.commit_aux), (hidden.final, *hidden.aux)):
+            dst[:size, :1] = src
+
+    def write_spec_out(self, acc: AcceptedBatch, drafts: DraftBatch, depth: int) -> None:
+        """The step's one transfer: [num_accepted, num_nodes, tree depth, tokens, logprobs,
+        sources of the path's nodes] per row."""
+        size, cols = acc.token_ids.shape
+        w, width = self.commit_width, drafts.width
+        real = torch.arange(width, device=self.device) < drafts.num_nodes.unsqueeze(1)
+        out = self.out[:size]
+        out.zero_()
+        out[:, 0] = acc.num_accepted
+        out[:, 1] = drafts.num_nodes
+        out[:, 2] = torch.where(real, drafts.depths, 0).amax(1) if width else 0
+        out[:, 3: 3 + cols] = acc.token_ids
+        out[:, 3 + w: 3 + w + cols] = acc.logprobs
+        if width:
+            out[:, 3 + 2 * w: 3 + 2 * w + depth] = drafts.sources.gather(
+                1, acc.path.clamp_min(0)).double()

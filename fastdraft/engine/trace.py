@@ -12,11 +12,17 @@ class RolloutTrace:
     num_requests: int = 0
     times: list[float] = field(default_factory=list)     # step start (perf_counter seconds)
     active: list[int] = field(default_factory=list)      # requests unfinished at that start
+    arms: list[str] = field(default_factory=list)        # what each step ran (tuner arm names)
+    tokens: list[int] = field(default_factory=list)      # tokens each step produced
     end: float = 0.0
 
     def record(self, num_active: int) -> None:
         self.times.append(time.perf_counter())
         self.active.append(num_active)
+
+    def end_step(self, arm: str, num_tokens: int) -> None:
+        self.arms.append(arm)
+        self.tokens.append(num_tokens)
 
     def finish(self) -> None:
         self.end = time.perf_counter()
@@ -35,3 +41,9 @@ class RolloutTrace:
         """(seconds since the start, unfinished requests) per step: the long-tail picture."""
         start = self.times[0] if self.times else 0.0
         return [t - start for t in self.times], list(self.active)
+
+    @property
+    def sd_fraction(self) -> float:
+        """Share of the decoding steps (prefills aside) that speculated."""
+        steps = [a for a in self.arms if a != "prefill"]
+        return sum(a != "off" for a in steps) / len(steps) if steps else 0.0

@@ -51,13 +51,15 @@ class Run:
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
         dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
-        max_seq_len = cfg.rollout.max_seq_len or _task_seq_len(cfg)
+        max_seq_len = rollout_seq_len(cfg)
         self.prompts = PromptSource(cfg.data, self.tokenizer,
                                     max_seq_len - cfg.rollout.max_new_tokens)
         self.engine = RolloutEngine(
             self.policy_dir, device=device, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size,
             max_seq_len=max_seq_len, drafter=resolve_drafter(cfg, self.policy_dir),
-            spec=cfg.rollout.spec, compile=cfg.rollout.compile, graphs=cfg.rollout.graphs)
+            spec=cfg.rollout.spec, compile=cfg.rollout.compile, graphs=cfg.rollout.graphs,
+            tuner=cfg.rollout.tuner.build(cfg.rollout.spec, cfg.seed, cfg.rollout.max_batch_size)
+            if cfg.rollout.tuner.enabled else None)
         # The actor scores every position the engine can sample at (its rotary table too).
         self.actor = Actor(load_model(self.policy_dir, device, dtype, max_seq_len), cfg.actor,
                            cfg.algorithm.num_steps)
@@ -79,6 +81,8 @@ class Run:
                 self.engine.load_drafter_weights(list(loaded.drafter["tensors"].items()),
                                                  version=int(loaded.drafter["version"]))
                 trainer_state = loaded.drafter.get("trainer")
+            if self.engine.tuner is not None and "tuner" in loaded.extra:
+                self.engine.tuner.load_state_dict(loaded.extra["tuner"])
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
@@ -110,6 +114,7 @@ class Run:
                "rollout/response_len_max": float(max(lengths))}
         if self.engine.spec.enabled:   # not after a health fallback
             out.update(stats.as_metrics())
+            out["rollout/sd_fraction"] = trace.sd_fraction
             out["drafter/version"] = float(self.engine.drafter_version or 0)
         return out
 
@@ -117,7 +122,8 @@ class Run:
         start = time.perf_counter()
         self.checkpoints.save(step, TrainState(
             model=self.actor.unwrapped(), optimizer=self.actor.optimizer.state_dict(),
-            step=step, config=config_dict(self.cfg), drafter=self._drafter_state()))
+            step=step, config=config_dict(self.cfg), drafter=self._drafter_state(),
+            extra={} if self.engine.tuner is None else {"tuner": self.engine.tuner.state_dict()}))
         self.last_checkpoint_s = time.perf_counter() - start
 
     def _drafter_state(self) -> dict[str, Any] | None:
@@ -200,8 +206,11 @@ def resolve_drafter(cfg: RunConfig, policy_dir: Path) -> Path | None:
     return ensure_drafter(policy_dir, None, warmup=warmup)
 
 
-def _task_seq_len(cfg: RunConfig) -> int:
-    """Longest prompt a task draws (over many samples) + the answer budget."""
+def rollout_seq_len(cfg: RunConfig) -> int:
+    """rollout.max_seq_len, or the longest prompt a task draws (over many samples) + the
+    answer budget."""
+    if cfg.rollout.max_seq_len:
+        return cfg.rollout.max_seq_len
     from fastdraft.rl.tasks import get_task
     if cfg.data.task is None:
         raise ValueError("rollout.max_seq_len must be set for prompt files")

@@ -8,7 +8,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -108,3 +108,17 @@ def test_weights_digest_sees_one_flipped_bit() -> None:
         flat = model.weight.view(-1)
         flat[5] = torch.nextafter(flat[5], torch.tensor(float("inf")))
     assert weights_digest(model) != before
+
+
+def test_an_attempt_still_on_the_plateau_restarts_from_a_fresh_init(tokenizer) -> None:
+    """Dev exact match below restart_below at restart_after abandons the attempt; the last
+    attempt trains its full steps; the outcome is as deterministic as a single attempt."""
+    spec = replace(TINY, check_every=2, restart_after=4, restart_below=1.0,
+                   stop_at_short_accuracy=1.0, max_attempts=3)
+    runs = [train_bootstrap(spec, 0, tokenizer, log=lambda _: None) for _ in range(2)]
+    for _, result in runs:
+        assert result.attempts == 3
+        assert len(result.losses) == 4 + 4 + spec.steps
+    assert weights_digest(runs[0][0]) == weights_digest(runs[1][0])
+    single, _ = train_bootstrap(replace(spec, max_attempts=1), 0, tokenizer, log=lambda _: None)
+    assert weights_digest(single) != weights_digest(runs[0][0])   # a fresh init, not attempt 1

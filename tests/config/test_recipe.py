@@ -51,3 +51,15 @@ def test_the_resolved_config_round_trips(tmp_path):
     cfg = load_recipe(None, ["actor.betas=[0.8, 0.95]", "algorithm.loss=dapo"])
     dump_config(cfg, tmp_path / "config.yaml")
     assert load_recipe(tmp_path / "config.yaml") == cfg
+
+
+def test_the_tuner_section_checks_its_arms_when_the_recipe_loads():
+    from fastdraft.config.sections import TunerSection
+    cfg = load_recipe(None, ["rollout.tuner.enabled=true"])
+    tuner = cfg.rollout.tuner.build(cfg.rollout.spec, seed=0)
+    elastic = [b for b in tuner.buckets if b.min_batch >= cfg.rollout.tuner.elastic_threshold]
+    assert elastic and all(not b.arms[0].enabled for b in elastic)   # "off" leads there
+    with pytest.raises(ValueError, match=r"rollout\.tuner: arm 'eagle/6/x'"):
+        TunerSection(enabled=True, buckets={1: ["eagle/6/x"]})
+    with pytest.raises(ValueError, match="needs a speculative"):
+        load_recipe(None, ["rollout.tuner.enabled=true", "rollout.spec.method=none"])

@@ -75,8 +75,24 @@ def test_a_prompt_longer_than_the_budget_still_runs_alone():
     sched = Scheduler(num_slots=4, max_prefill_tokens=10)
     sched.add(_req(0, prompt_len=30))
     sched.add(_req(1, prompt_len=2))
+    assert [r.index for r in sched.schedule().requests] == [1]   # shortest first
     assert [r.index for r in sched.schedule().requests] == [0]
-    assert [r.index for r in sched.schedule().requests] == [1]
+
+
+def test_prefill_chunks_go_shortest_first_and_pad_little():
+    """A long-tailed prompt mix: chunks of similar lengths (padded tokens close to the real
+    ones), while admission stays first come first served across the slot limit."""
+    sched = Scheduler(num_slots=6, max_prefill_tokens=24)
+    lengths = [20, 2, 3, 18, 2, 4, 3, 2]
+    for i, n in enumerate(lengths):
+        sched.add(_req(i, prompt_len=n))
+    chunks = []
+    while (batch := sched.schedule()).phase is Phase.PREFILL:
+        chunks.append([r.index for r in batch.requests])
+    assert chunks == [[1, 4, 2, 5], [3], [0]]   # requests 6 and 7 wait for a free slot
+    assert [r.slot for r in sched.running] == list(range(6))
+    padded = sum(len(c) * max(lengths[i] for i in c) for c in chunks)
+    assert padded == 4 * 4 + 18 + 20   # FIFO chunks would pad 2 + 4 = 6 prompts to 20
 
 
 def test_request_stops_at_cache_capacity():

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.engine.buckets import BucketPlan
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
 from fastdraft.engine.step_io import StepIO
 
 aten = torch.ops.aten
@@ -84,20 +85,27 @@ def _params(kind: str, n: int) -> list[SamplingParams]:
     return [MIXED[i % len(MIXED)] for i in range(n)]
 
 
-@pytest.mark.parametrize("method", ["none", "eagle", "suffix"])
+@pytest.mark.parametrize("method", ["none", "eagle", "suffix", "eagle+tuner"])
 @pytest.mark.parametrize("kind", ["greedy", "mixed"])
 def test_no_host_sync_inside_a_step_and_one_transfer_out(tiny_checkpoint, random_drafter,
                                                          monkeypatch, method, kind):
+    """eagle+tuner: a random arm per step, plain steps feeding the drafter included."""
     path, _ = tiny_checkpoint
+    tuner = None
+    if method == "eagle+tuner":
+        method = "eagle"
+        tuner = TunerConfig(buckets=(TunerBucket(min_batch=1, arms=tuple(
+            parse_arm(a) for a in ("off", "eagle/3/2/6", "eagle/1/2/2"))),), epsilon=1.0)
     spec = SpecConfig(method=method, depth=3, topk=2, tokens_to_verify=6)
     engine = RolloutEngine(path, max_batch_size=4, max_seq_len=64, spec=spec,
-                           drafter=random_drafter if method == "eagle" else None)
+                           drafter=random_drafter if method == "eagle" else None, tuner=tuner)
     engine.eager_shortcuts = False  # the path captured graphs run (CUDA never takes shortcuts)
     prompts = _prompts()
     steps = []
     for name in ("_decode", "_speculate"):
         real = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda s, b, real=real: steps.append(1) or real(s, b))
+        monkeypatch.setattr(engine, name,
+                            lambda *args, real=real: steps.append(1) or real(*args))
     with counting_syncs(engine, monkeypatch) as (counter, transfers):
         outs = engine.generate(prompts, _params(kind, len(prompts)))
     assert counter.syncs == []

@@ -48,6 +48,24 @@ def test_cuda_speculative_greedy_with_graphs_equals_plain_greedy(tiny_checkpoint
     assert engine.graphs.stats.num_graphs > 0
 
 
+def test_cuda_graphs_with_an_arm_switch_every_step_equal_plain_greedy(tiny_checkpoint,
+                                                                     random_drafter):
+    """The tuner's per-step configs (off included, the drafter fed on plain steps) as graphs."""
+    from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
+    path, _ = tiny_checkpoint
+    params = SamplingParams(greedy=True, max_new_tokens=24)
+    plain = _engine(path, graphs=False).generate(_prompts(), params)
+    arms = tuple(parse_arm(a) for a in ("off", "eagle/4/2/8", "eagle/2/1/2"))
+    spec = SpecConfig(method="eagle", depth=4, topk=2, tokens_to_verify=8)
+    engine = RolloutEngine(path, device="cuda", dtype=torch.float32, max_batch_size=4,
+                           max_seq_len=128, spec=spec, drafter=random_drafter,
+                           tuner=TunerConfig(buckets=(TunerBucket(min_batch=1, arms=arms),),
+                                             epsilon=1.0))
+    outs = engine.generate(_prompts(), params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    assert engine.graphs.stats.num_graphs > 0 and "off" in engine.last_trace.arms
+
+
 @pytest.mark.parametrize("spec", [None, SpecConfig(method="eagle", depth=4, topk=2,
                                                    tokens_to_verify=8)])
 def test_cuda_graphs_sample_exactly_what_eager_samples(tiny_checkpoint, random_drafter, spec):

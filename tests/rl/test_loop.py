@@ -83,3 +83,18 @@ def test_the_actor_scores_positions_beyond_the_checkpoints_trained_length(char_p
     assert run.engine.max_seq_len > 512
     train(run)
     assert read_metrics(tmp_path / "run")[0]["rollout/logprob_diff_max"] < 1e-3
+
+
+def test_an_adaptive_run_logs_its_speculation_share_and_resumes_the_tuner(char_policy,
+                                                                            tmp_path):
+    tuned = ["rollout.spec.method=suffix", "rollout.tuner.enabled=true",
+             "rollout.tuner.elastic_threshold=4"]
+    run = Run(_cfg(char_policy, *tuned, "algorithm.num_steps=2"), tmp_path / "run")
+    train(run)
+    rows = read_metrics(tmp_path / "run")
+    assert all(0 <= r["rollout/sd_fraction"] <= 1 for r in rows)
+    saved = run.engine.tuner.state_dict()
+    assert sum(a["num_chosen"] for a in saved["arms"].values()) > 0
+    resumed = Run(_cfg(char_policy, *tuned, "algorithm.num_steps=3"), tmp_path / "run",
+                  resume=True)
+    assert resumed.engine.tuner.state_dict() == saved

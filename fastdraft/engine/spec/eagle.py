@@ -97,15 +97,16 @@ class EagleProposer(Proposer):
                            AttnMeta(causal_pairs_mask(pos, width + 1), cache_positions=pos))
         self._set_roots(slice(slot_start, slot_start + len(requests)), out[rows, last])
 
-    def commit(self, io: StepIO, batch: int, ctx_len: int) -> None:
+    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
         """The drafter over the accepted tokens + bonus of every row (padding past each row's
-        count writes cells the next step overwrites); logits only at each row's last token."""
-        width = io.commit_width
+        count writes cells the next step overwrites); logits only at each row's last token.
+        width: accepted columns to run (1 after a plain decode step; default all)."""
+        width = width or io.commit_width
         root_pos = io.root_pos[:batch]
         pos = root_pos.unsqueeze(1) + 1 + torch.arange(width, device=self.device)
         feats = self.drafter.target_features(HiddenStates(
-            io.commit_final[:batch], tuple(a[:batch] for a in io.commit_aux)))
-        out = self.advance(feats, io.accepted_ids[:batch], pos, self.kv(),
+            io.commit_final[:batch, :width], tuple(a[:batch, :width] for a in io.commit_aux)))
+        out = self.advance(feats, io.accepted_ids[:batch, :width], pos, self.kv(),
                            AttnMeta(causal_pairs_mask(pos, ctx_len), cache_positions=pos))
         last = io.num_accepted[:batch].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
         self._set_roots(slice(0, batch), out.gather(1, last).squeeze(1))

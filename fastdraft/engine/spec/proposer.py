@@ -54,7 +54,7 @@ class Proposer:
         """Device proposers: a captured stage that writes io.drafts for rows 0..batch-1."""
         raise NotImplementedError
 
-    def commit(self, io: StepIO, batch: int, ctx_len: int) -> None:
+    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
         """Device proposers: a captured stage after verify (io.accepted_ids, io.num_accepted,
         io.commit_final / commit_aux hold what the policy accepted and its hidden states)."""
 

@@ -43,6 +43,14 @@ class SpecStats:
             name = SOURCE_NAMES.get(source, str(source))
             self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + 1
 
+    def record_row(self, row: list[float], commit_width: int, num_kept: int) -> None:
+        """One verify step from its row of the step's transfer (StepIO.write_spec_out); only
+        the accepted draft tokens the request kept count (a stop token or the length limit
+        cuts a path): num_kept = tokens the request appended, bonus included."""
+        kept = min(int(row[0]), num_kept)
+        start = 3 + 2 * commit_width
+        self.record(int(row[1]), int(row[2]), [int(s) for s in row[start: start + kept]])
+
     def merge(self, other: SpecStats) -> None:
         self.num_drafted += other.num_drafted
         self.num_accepted += other.num_accepted

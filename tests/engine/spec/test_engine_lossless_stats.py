@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
-from fastdraft.drafter import build_drafter, load_drafter, save_drafter
+from fastdraft.drafter import load_drafter
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.spec import accept as accept_mod
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.spec.probs import processed_probs
 from fastdraft.models import load_model
-from tests.conftest import make_tiny_checkpoint
 from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of, exact_sequence_probs
 
 VOCAB, LENGTH, NUM_SAMPLES = 8, 3, 20_000
@@ -23,20 +22,6 @@ VOCAB, LENGTH, NUM_SAMPLES = 8, 3, 20_000
 # one sample, shifted). 100_000 is unrelated to the engine's other seeded tests.
 SEED = 100_000
 PROMPT = [3, 5, 2]
-
-
-@pytest.fixture(scope="module")
-def tiny_vocab(tmp_path_factory):
-    path = tmp_path_factory.mktemp("v8")
-    hf = make_tiny_checkpoint(path, vocab_size=VOCAB, seed=3, eos_token_id=None)
-    policy = load_model(path)
-    torch.manual_seed(4)
-    drafter = build_drafter("eagle1", policy.config, 64).attach(policy)
-    with torch.no_grad():  # correlated with the policy but clearly different
-        for p in drafter.parameters():
-            p.mul_(0.5)
-    save_drafter(drafter, path / "drafter")
-    return path, hf
 
 
 def _expected(hf, params: SamplingParams) -> dict:

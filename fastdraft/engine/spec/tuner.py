@@ -1,0 +1,266 @@
+"""BEG-MAB: the bucketed epsilon-greedy bandit that picks each step's speculation (TLT's
+Algorithm 1, DESIGN.md).
+
+An RL rollout starts as a large batch, where verifying drafts costs about what it saves, and
+shrinks to a long tail, where speculation pays most. The tuner picks, for every engine step, an
+arm (a SpecConfig; "off" is plain decoding) from the bucket of the step's batch size: the
+bucket's only arm; else with probability epsilon a random arm of the bucket (explore), otherwise
+the arm with the highest median reward over its last `window` records (exploit). Reward =
+tokens the step produced per second of the step, measured.
+
+Unlike the reference implementation, whose default groups give one arm per bucket (so it never
+explores), every default bucket holds several arms. Elastic speculation ("plain decoding above
+a running-request threshold") is the prior, not a rule: in the buckets at and above the
+threshold "off" is listed first, and a bucket's first arm is what the tuner plays until its
+arms have records; measured rewards then overrule it either way.
+
+Records are kept per (bucket, arm): an arm shared by two buckets is judged in each on the
+steps it ran there. The state (reward windows, choice counts, the random generator) is
+JSON-able and travels with the run's checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdraft.engine.spec.config import SpecConfig
+
+OFF = SpecConfig(method="none")
+
+
+def arm_name(arm: SpecConfig) -> str:
+    """'off' or 'method/depth/topk/tokens_to_verify' (e.g. 'eagle/6/3/12')."""
+    if not arm.enabled:
+        return "off"
+    return f"{arm.method}/{arm.depth}/{arm.topk}/{arm.tokens_to_verify}"
+
+
+def parse_arm(name: str) -> SpecConfig:
+    """The inverse of arm_name; a malformed name says what it expects."""
+    if name in ("off", "none"):
+        return OFF
+    parts = name.split("/")
+    try:
+        method, depth, topk, nodes = parts[0], *map(int, parts[1:])
+    except ValueError:
+        raise ValueError(f"arm {name!r}: expected 'off' or 'method/depth/topk/tokens_to_verify'"
+                         ", e.g. 'eagle/6/3/12'") from None
+    return SpecConfig(method=method, depth=depth, topk=topk, tokens_to_verify=nodes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TunerBucket:
+    """Batch sizes from min_batch (up to the next bucket's) and the arms played there, the
+    prior's favourite first."""
+
+    min_batch: int
+    arms: tuple[SpecConfig, ...]
+
+    def __post_init__(self) -> None:
+        if self.min_batch < 1:
+            raise ValueError(f"a tuner bucket's min_batch must be >= 1, got {self.min_batch}")
+        if not self.arms:
+            raise ValueError(f"tuner bucket from batch {self.min_batch} has no arms")
+        names = [arm_name(a) for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tuner bucket from batch {self.min_batch} repeats an arm: {names}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TunerConfig:
+    """buckets: ascending min_batch, the first from batch 1. epsilon: exploration rate;
+    window: records per arm the median is taken over; max_age: records older than this many
+    steps (of any arm) expire, so an arm that is rarely played is not judged forever on what
+    it earned under an older policy or drafter (the policy drifts every RL step)."""
+
+    buckets: tuple[TunerBucket, ...]
+    epsilon: float = 0.1
+    window: int = 300
+    max_age: int = 3000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        starts = [b.min_batch for b in self.buckets]
+        if not starts or starts[0] != 1 or starts != sorted(set(starts)):
+            raise ValueError(f"tuner buckets must start at batch 1 and ascend, got {starts}")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"tuner epsilon must be in [0, 1], got {self.epsilon}")
+        if self.window < 1 or self.max_age < 1:
+            raise ValueError(f"tuner window and max_age must be >= 1, got {self.window}, "
+                             f"{self.max_age}")
+
+    @property
+    def arms(self) -> tuple[SpecConfig, ...]:
+        """Every distinct arm, in first-appearance order."""
+        seen: dict[str, SpecConfig] = {}
+        for bucket in self.buckets:
+            for arm in bucket.arms:
+                seen.setdefault(arm_name(arm), arm)
+        return tuple(seen.values())
+
+    @classmethod
+    def from_names(cls, buckets: dict[int, list[str]], **kwargs: Any) -> TunerConfig:
+        """{min_batch: ['eagle/6/3/12', 'off', ...]} (a recipe's `rollout.tuner.buckets`)."""
+        return cls(buckets=tuple(TunerBucket(min_batch=int(b), arms=tuple(map(parse_arm, arms)))
+                                 for b, arms in sorted(buckets.items(), key=lambda kv: int(kv[0]))),
+                   **kwargs)
+
+    @classmethod
+    def default(cls, spec: SpecConfig, elastic_threshold: int = 32, max_batch: int = 256,
+                **kwargs: Any) -> TunerConfig:
+        """Arms around the recipe's tree (the largest one allowed): the full tree and two smaller
+        ones for small batches; smaller trees and "off" from 8 requests; "off" first (the
+        elastic prior) with two small trees from elastic_threshold up. One bucket per power of
+        two up to max_batch, so the arms of a bucket are compared at similar batch sizes (a
+        step's tokens per second grows with its batch size)."""
+        if not spec.enabled:
+            raise ValueError("a tuner needs a speculative spec (method != 'none') to build arms")
+        m, d, k, n = spec.method, spec.depth, spec.topk, spec.tokens_to_verify
+
+        def arm(depth: int, topk: int, nodes: int) -> SpecConfig:
+            return SpecConfig(method=m, depth=max(depth, 1), topk=max(topk, 1),
+                              tokens_to_verify=max(nodes, 1))
+
+        mid = max(min(8, elastic_threshold // 2), 2)
+        small = [arm(d, k, n), arm(d, k, 2 * n // 3), arm(d - 2, k, n // 2)]
+        middle = [arm(d - 2, k, n // 2), arm(d - 3, k - 1, n // 3), OFF]
+        large = [OFF, arm(d - 3, k - 1, n // 3), arm(2, 1, 2)]
+        starts = sorted({1, mid, elastic_threshold} |
+                        {2 ** i for i in range(max(max_batch, 1).bit_length())})
+        buckets = [TunerBucket(min_batch=b, arms=tuple(_unique(
+            small if b < mid else middle if b < elastic_threshold else large))) for b in starts]
+        return cls(buckets=tuple(buckets), **kwargs)
+
+
+@dataclass(slots=True)
+class ArmRecord:
+    """One arm's sliding windows: rewards (tokens / s), tokens per row of its steps, and the
+    tuner step each was recorded at."""
+
+    rewards: deque[float]
+    tokens_per_row: deque[float]
+    ticks: deque[int]
+    num_chosen: int = 0
+
+    def expire(self, oldest_tick: int) -> None:
+        while self.ticks and self.ticks[0] < oldest_tick:
+            for window in (self.ticks, self.rewards, self.tokens_per_row):
+                window.popleft()
+
+
+def record_key(bucket: TunerBucket, arm: SpecConfig) -> str:
+    """'min_batch:arm': an arm's records are kept per bucket, so its median is never a mix of
+    rewards earned at very different batch sizes."""
+    return f"{bucket.min_batch}:{arm_name(arm)}"
+
+
+@dataclass(slots=True)
+class SpecTuner:
+    config: TunerConfig
+    records: dict[str, ArmRecord] = field(init=False)
+    rng: random.Random = field(init=False)
+    last_explored: bool = field(init=False, default=False)
+    tick: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        w = self.config.window
+        self.records = {record_key(b, a): ArmRecord(deque(maxlen=w), deque(maxlen=w),
+                                                    deque(maxlen=w))
+                        for b in self.config.buckets for a in b.arms}
+        self.rng = random.Random(self.config.seed)
+
+    def bucket(self, batch_size: int) -> TunerBucket:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return [b for b in self.config.buckets if b.min_batch <= batch_size][-1]
+
+    def select(self, batch_size: int) -> SpecConfig:
+        """The arm for a step over batch_size running requests."""
+        bucket = self.bucket(batch_size)
+        arms = bucket.arms
+        self.last_explored = False
+        self.tick += 1
+        for arm in arms:
+            self.records[record_key(bucket, arm)].expire(self.tick - self.config.max_age)
+        if len(arms) == 1:
+            choice = arms[0]
+        elif self.rng.random() < self.config.epsilon:
+            choice, self.last_explored = self.rng.choice(arms), True
+        else:
+            choice = self._best(bucket)
+        self.records[record_key(bucket, choice)].num_chosen += 1
+        return choice
+
+    def _best(self, bucket: TunerBucket) -> SpecConfig:
+        """The highest median reward among the bucket's arms with records; the first (prior)
+        arm while none has any. Ties go to the earlier arm."""
+        best, best_reward = bucket.arms[0], float("-inf")
+        for arm in bucket.arms:
+            rewards = self.records[record_key(bucket, arm)].rewards
+            if rewards and (median := statistics.median(rewards)) > best_reward:
+                best, best_reward = arm, median
+        return best
+
+    def record(self, arm: SpecConfig, num_tokens: int, batch_size: int, elapsed_s: float
+               ) -> None:
+        """One step of `arm`: num_tokens produced by batch_size rows in elapsed_s seconds."""
+        if elapsed_s <= 0 or batch_size < 1:
+            return
+        rec = self.records[record_key(self.bucket(batch_size), arm)]
+        rec.rewards.append(num_tokens / elapsed_s)
+        rec.tokens_per_row.append(num_tokens / batch_size)
+        rec.ticks.append(self.tick)
+
+    def median_rewards(self) -> dict[str, float]:
+        """{'min_batch:arm': median tokens per second} of the records kept."""
+        return {name: statistics.median(r.rewards) for name, r in self.records.items()
+                if r.rewards}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the windows, the choice counts and the generator's state."""
+        version, internal, gauss = self.rng.getstate()
+        return {"arms": {name: {"rewards": list(r.rewards), "tokens_per_row":
+                                list(r.tokens_per_row), "ticks": list(r.ticks),
+                                "num_chosen": r.num_chosen}
+                         for name, r in self.records.items()},
+                "tick": self.tick, "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a saved state; (bucket, arm) pairs the config no longer has are dropped, new
+        ones start empty (a recipe may change its arms between runs)."""
+        for name, saved in state["arms"].items():
+            if name in self.records:
+                rec = self.records[name]
+                for window, key in ((rec.rewards, "rewards"), (rec.ticks, "ticks"),
+                                    (rec.tokens_per_row, "tokens_per_row")):
+                    window.clear()
+                    window.extend(saved[key])
+                rec.num_chosen = int(saved["num_chosen"])
+        self.tick = int(state["tick"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+def _unique(arms: list[SpecConfig]) -> list[SpecConfig]:
+    seen: dict[str, SpecConfig] = {}
+    for arm in arms:
+        seen.setdefault(arm_name(arm), arm)
+    return list(seen.values())
+
+
+def check_tuner(tuner: TunerConfig | None, spec: SpecConfig) -> SpecTuner | None:
+    """The engine's tuner over `spec`'s proposer: every arm drafts with spec.method or is off."""
+    if tuner is None:
+        return None
+    if not spec.enabled:
+        raise ValueError("a tuner picks among speculative arms: set spec.method (e.g. 'eagle') "
+                         "or drop the tuner")
+    other = sorted({a.method for a in tuner.arms if a.enabled and a.method != spec.method})
+    if other:
+        raise ValueError(f"tuner arms draft with {other} but the engine's proposer is "
+                         f"{spec.method!r}: every arm must use {spec.method!r} or be 'off'")
+    return SpecTuner(tuner)
