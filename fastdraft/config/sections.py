@@ -65,6 +65,7 @@ class TunerSection:
     epsilon: float = 0.1
     window: int = 300
     max_age: int = 3000
+    min_records: int = 2
     elastic_threshold: int = 32
 
     def __post_init__(self) -> None:
@@ -73,7 +74,8 @@ class TunerSection:
             self.build(SpecConfig(method="eagle"), seed=0)
 
     def build(self, spec: SpecConfig, seed: int, max_batch: int = 256) -> TunerConfig:
-        knobs = dict(epsilon=self.epsilon, window=self.window, max_age=self.max_age, seed=seed)
+        knobs = dict(epsilon=self.epsilon, window=self.window, max_age=self.max_age,
+                     min_records=self.min_records, seed=seed)
         try:
             if self.buckets:
                 return TunerConfig.from_names(self.buckets, **knobs)

@@ -323,7 +323,7 @@ class RolloutEngine:
         requests, io, proposer = batch.requests, self.io, self.proposer
         size = self.buckets.batch_bucket(len(requests))
         root_pos = [r.num_tokens - 1 for r in requests]
-        ctx_len = self.buckets.context_bucket(max(root_pos) + 1 + self.envelope.tree_cells)
+        ctx_len = self.buckets.context_bucket(max(root_pos) + 1 + Envelope.cells_of(cfg))
         mode = SamplingMode.of(requests)
         width = proposer.draft_width(cfg)
         io.load([r.last_token_id for r in requests], root_pos, size)
@@ -342,8 +342,8 @@ class RolloutEngine:
                         lambda: self._verify_stage(size, ctx_len, width, cfg.depth, mode,
                                                    sampled_drafts, capture))
         if proposer.drafts_on_device:
-            self.graphs.run(("commit", size, ctx_len, io.commit_width),
-                            lambda: proposer.commit(io, size, ctx_len))
+            self.graphs.run(("commit", size, ctx_len, cfg.depth + 1),
+                            lambda: proposer.commit(io, size, ctx_len, width=cfg.depth + 1))
         rows = io.read_out(len(requests))
         num_before = [len(r.output_token_ids) for r in requests]
         w = io.commit_width

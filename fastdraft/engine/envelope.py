@@ -41,6 +41,14 @@ class Envelope:
                    max_topk=max(a.topk for a in enabled),
                    max_tree_nodes=max(a.tokens_to_verify for a in enabled))
 
+    @staticmethod
+    def cells_of(spec: SpecConfig) -> int:
+        """Cells past a row's context that one step of `spec`'s trees may write (a tuner's
+        smaller arms read and write fewer than the envelope's largest)."""
+        if not spec.enabled:
+            return 0
+        return max(spec.tokens_to_verify, max(spec.depth - 1, 0) * spec.topk, spec.depth + 1)
+
     @property
     def num_draft_scratch(self) -> int:
         """Drafter cells of the nodes a draft tree expands (every level but the last)."""

@@ -102,7 +102,7 @@ def test_cached_drafting_equals_uncached_forward(policy, kind):
     req = Request(0, seq[0, :9].tolist(), SamplingParams(greedy=True), frozenset(), 40)
     prefix = HiddenStates(hidden.final[:, :9], tuple(a[:, :9] for a in hidden.aux))
     prop.on_prefill([req], prefix, 0, seq[0, 9:10])  # the first token: seq[9]
-    torch.testing.assert_close(prop.root_logits[0], ref_logits[0, 8], atol=1e-4, rtol=0)
+    torch.testing.assert_close(prop.root_logits(1)[0], ref_logits[0, 8], atol=1e-4, rtol=0)
     io.load([int(seq[0, 9])], [9], batch=1)
     cfg = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
     ctx_len = 9 + 1 + envelope.tree_cells
@@ -114,7 +114,7 @@ def test_cached_drafting_equals_uncached_forward(policy, kind):
         for buf, a in zip(io.commit_aux, hidden.aux):
             buf[0] = a[0, 9:13]
         prop.commit(io, 1, ctx_len)
-    torch.testing.assert_close(prop.root_logits[0], ref_logits[0, 12], atol=1e-4, rtol=0)
+    torch.testing.assert_close(prop.root_logits(1)[0], ref_logits[0, 12], atol=1e-4, rtol=0)
 
 
 def test_checkpoint_roundtrip_and_mismatch(policy, tmp_path):

@@ -65,7 +65,6 @@ class EagleProposer(Proposer):
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
         self.root_feat = torch.zeros(num_slots, cfg.hidden_size, dtype=self.dtype,
                                      device=self.device)
-        self.root_logits = torch.zeros(num_slots, self.head.vocab_size, device=self.device)
         self._layouts: dict[tuple[int, int], DraftLayout] = {}
 
     @property
@@ -112,14 +111,18 @@ class EagleProposer(Proposer):
         self._set_roots(slice(0, batch), out.gather(1, last).squeeze(1))
 
     def _set_roots(self, slots: slice, features: torch.Tensor) -> None:
+        # Only features: their logits are computed when a tree is drafted from them, so a
+        # plain step that merely keeps the drafter in step reads no lm_head.
         self.root_feat[slots] = features
-        self.root_logits[slots] = self.head.logits(features).float()
+
+    def root_logits(self, batch: int) -> torch.Tensor:
+        """[batch, draft vocab] fp32: the drafter's logits of each row's next token."""
+        return self.head.logits(self.root_feat[:batch]).float()
 
     def move(self, moves: list[SlotMove]) -> None:
         for cache in (self.k[0], self.v[0]):
             move_slots(cache, moves, slot_dim=0, cell_dim=2)
         move_slots(self.root_feat, moves)
-        move_slots(self.root_logits, moves)
 
     def refresh(self) -> None:
         self.head.refresh()
@@ -152,7 +155,7 @@ class EagleProposer(Proposer):
         if cfg.depth > 1:
             rope = self.drafter.rope(root_pos.unsqueeze(1) + layout.level_offsets, self.dtype)
         draw = _Draw(self, sampling, mode, root_pos, k)
-        tok, key, q = draw(self.root_logits[:batch].unsqueeze(1),
+        tok, key, q = draw(self.root_logits(batch).unsqueeze(1),
                            layout.zero_key.expand(batch, -1), level=0)
         tokens, keys, q_rows = [tok.flatten(1)], [key.flatten(1)], [q]
         orders = []  # per expanded level: which of its candidates were expanded [B, k]

@@ -11,8 +11,8 @@ tokens the step produced per second of the step, measured.
 Unlike the reference implementation, whose default groups give one arm per bucket (so it never
 explores), every default bucket holds several arms. Elastic speculation ("plain decoding above
 a running-request threshold") is the prior, not a rule: in the buckets at and above the
-threshold "off" is listed first, and a bucket's first arm is what the tuner plays until its
-arms have records; measured rewards then overrule it either way.
+threshold "off" is listed first, and a bucket's first arm is what the tuner plays first (and on
+ties); each arm then gets `min_records` steps, and measured rewards decide from there.
 
 Records are kept per (bucket, arm): an arm shared by two buckets is judged in each on the
 steps it ran there. The state (reward windows, choice counts, the random generator) is
@@ -75,12 +75,16 @@ class TunerConfig:
     """buckets: ascending min_batch, the first from batch 1. epsilon: exploration rate;
     window: records per arm the median is taken over; max_age: records older than this many
     steps (of any arm) expire, so an arm that is rarely played is not judged forever on what
-    it earned under an older policy or drafter (the policy drifts every RL step)."""
+    it earned under an older policy or drafter (the policy drifts every RL step);
+    min_records: before exploiting, a bucket plays each of its arms (in listed order, the
+    prior's favourite first) until it has this many records: a bucket visited for a dozen
+    steps a rollout would otherwise take many rollouts of epsilon draws to learn its arms."""
 
     buckets: tuple[TunerBucket, ...]
     epsilon: float = 0.1
     window: int = 300
     max_age: int = 3000
+    min_records: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ class TunerConfig:
             raise ValueError(f"tuner buckets must start at batch 1 and ascend, got {starts}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"tuner epsilon must be in [0, 1], got {self.epsilon}")
+        if self.min_records < 0:
+            raise ValueError(f"tuner min_records must be >= 0, got {self.min_records}")
         if self.window < 1 or self.max_age < 1:
             raise ValueError(f"tuner window and max_age must be >= 1, got {self.window}, "
                              f"{self.max_age}")
@@ -196,8 +202,11 @@ class SpecTuner:
         return choice
 
     def _best(self, bucket: TunerBucket) -> SpecConfig:
-        """The highest median reward among the bucket's arms with records; the first (prior)
-        arm while none has any. Ties go to the earlier arm."""
+        """The first arm with fewer than min_records records (in listed order); else the highest
+        median reward, ties to the earlier arm; the first (prior) arm while none has any."""
+        for arm in bucket.arms:
+            if len(self.records[record_key(bucket, arm)].rewards) < self.config.min_records:
+                return arm
         best, best_reward = bucket.arms[0], float("-inf")
         for arm in bucket.arms:
             rewards = self.records[record_key(bucket, arm)].rewards

@@ -97,7 +97,8 @@ def test_an_arm_in_two_buckets_is_judged_in_each_on_its_own_steps():
 
 def test_a_bucket_with_one_arm_always_plays_it_and_the_prior_leads_before_any_data():
     cfg = TunerConfig(buckets=(TunerBucket(min_batch=1, arms=(EAGLE,)),
-                               TunerBucket(min_batch=32, arms=(OFF, EAGLE))), epsilon=0.0)
+                               TunerBucket(min_batch=32, arms=(OFF, EAGLE))), epsilon=0.0,
+                      min_records=0)
     tuner = SpecTuner(cfg)
     assert all(tuner.select(5) == EAGLE for _ in range(20))
     assert tuner.select(64) == OFF   # no records yet: the elastic prior (first arm)
@@ -139,3 +140,14 @@ def test_bad_configs_are_refused_with_what_to_change():
                     EAGLE)
     with pytest.raises(ValueError, match=r"set spec\.method"):
         check_tuner(_config(), OFF)
+
+
+def test_each_arm_plays_min_records_steps_in_listed_order_before_exploiting():
+    tuner = SpecTuner(_config(epsilon=0.0, min_records=2))
+    rates = {"eagle/6/3/12": 10.0, "eagle/4/3/6": 30.0, "off": 20.0}
+    order = []
+    for _ in range(9):
+        arm = tuner.select(4)
+        order.append(arm_name(arm))
+        tuner.record(arm, int(rates[arm_name(arm)]), 4, 1.0)
+    assert order == ["eagle/6/3/12"] * 2 + ["eagle/4/3/6"] * 2 + ["off"] * 2 + ["eagle/4/3/6"] * 3
