@@ -70,6 +70,7 @@ def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
         rewards = [r["reward/mean"] for r in steps]
         out[name] = dict(
             rollout_time_s=sum(r["rollout/time_s"] for r in steps),
+            rollout_tokens=sum(r["rollout/tokens_per_s"] * r["rollout/time_s"] for r in steps),
             step_time_s=sum(r["timing/step_s"] for r in steps),
             rollout_share=sum(r["timing/rollout_s"] for r in steps)
             / sum(r["timing/step_s"] for r in steps),
@@ -81,6 +82,10 @@ def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
             accept_length=[r.get("rollout/accept_length", 1.0) for r in steps])
     off, on = out["off"], out["on"]
     out["rollout_time_ratio"] = on["rollout_time_s"] / off["rollout_time_s"]
+    # The runs train on their own samples, so their answers (the work) drift apart: tokens a
+    # second of rollout compares the engines on the work each actually did.
+    out["rollout_tokens_per_s_ratio"] = ((on["rollout_tokens"] / on["rollout_time_s"])
+                                         / (off["rollout_tokens"] / off["rollout_time_s"]))
     out["step_time_ratio"] = on["step_time_s"] / off["step_time_s"]
     out["reward_mean_diff"] = on["reward_mean"] - off["reward_mean"]
     return out
@@ -99,7 +104,8 @@ def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int) -> dict[st
         rewards, lengths = [], []
         for i in range(num_seeds):
             # Steps past the last: seeds no training step drew from.
-            completions = rollout(run, run.cfg.algorithm.num_steps + i, [it.ids for it in items])
+            completions = rollout(run, run.cfg.algorithm.num_steps + i, [it.ids for it in items],
+                                  train_drafter=False)
             scores = [run.prompts.score(items[j // group], run.decode(c.token_ids))
                       for j, c in enumerate(completions)]
             rewards.append(sum(scores) / len(scores))
@@ -143,7 +149,8 @@ def _plot(rows: dict[str, list[dict[str, float]]], out: Path) -> Path:
 
 
 def summary_lines(out: dict[str, Any]) -> list[str]:
-    lines = [f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f}; step_time_ratio "
+    lines = [f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f} (rollout tokens/s "
+             f"on / off {out['rollout_tokens_per_s_ratio']:.3f}); step_time_ratio "
              f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
              f"on {out['on']['rollout_share']:.0%}",
              f"reward first 5 / last 5: off {out['off']['reward_first5']:.3f} / "

@@ -69,16 +69,19 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def rollout(run: Run, step: int, prompts: list[list[int]]) -> list[Completion]:
+def rollout(run: Run, step: int, prompts: list[list[int]], train_drafter: bool = True
+            ) -> list[Completion]:
     """group_size samples of every prompt (request i of the call draws from seed + i: every
-    sample its own stream, every step new ones, the same again after a resume)."""
+    sample its own stream, every step new ones, the same again after a resume).
+    train_drafter=False: an evaluation rollout, whose samples the online drafter never sees."""
     cfg = run.cfg.rollout
     group = cfg.group_size
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens,
                             seed=run.cfg.seed * 1_000_003 + step * len(prompts) * group)
     return run.engine.generate([p for p in prompts for _ in range(group)], params,
-                               on_finish=run.on_finish, on_hidden=run.drafter.on_hidden,
+                               on_finish=run.on_finish if train_drafter else None,
+                               on_hidden=run.drafter.on_hidden if train_drafter else None,
                                use_tqdm=False)
 
 

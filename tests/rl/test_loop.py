@@ -98,3 +98,17 @@ def test_an_adaptive_run_logs_its_speculation_share_and_resumes_the_tuner(char_p
     resumed = Run(_cfg(char_policy, *tuned, "algorithm.num_steps=3"), tmp_path / "run",
                   resume=True)
     assert resumed.engine.tuner.state_dict() == saved
+
+
+def test_an_evaluation_rollout_feeds_no_hook(char_policy, tmp_path):
+    """bench recipe's law check rolls the same step out again with other seeds: those samples
+    must never reach the online drafter (its buffer refuses a second sample of a request)."""
+    from fastdraft.rl.loop import rollout
+    run = Run(_cfg(char_policy), tmp_path / "run")
+    seen = []
+    run.on_finish_hooks.append(seen.append)
+    prompts = [item.ids for item in run.prompts.batch(0, 2)]
+    rollout(run, 5, prompts, train_drafter=False)
+    assert seen == []
+    rollout(run, 5, prompts)
+    assert len(seen) == 2 * run.cfg.rollout.group_size
