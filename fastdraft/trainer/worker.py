@@ -198,6 +198,11 @@ class SpotWorker:
             self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
+        # A worker that died leaves what was put for it in the queue's pipe: without this the
+        # interpreter's exit would wait forever for the queue's feeder thread to flush it.
+        for q in (self._inbox, self._replies):
+            q.cancel_join_thread()
+            q.close()
 
     def _reply(self, kind: str, timeout: float = 600.0) -> tuple:
         deadline = time.monotonic() + timeout

@@ -4,6 +4,8 @@ a worker process that trains from the samples it is sent and publishes what it t
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -95,3 +97,31 @@ def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
     finally:
         worker.close()
     assert not worker.process.is_alive()
+
+
+_DEAD_WORKER = """
+import sys, torch
+from fastdraft.drafter import build_drafter
+from fastdraft.models import load_model
+from fastdraft.trainer.spot import SpotConfig
+from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+policy = load_model(sys.argv[1]).eval()
+worker = SpotWorker(WorkerSetup(
+    drafter=build_drafter("eagle1", policy.config, 128), policy_config=policy.config,
+    embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
+    spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0, num_threads=1))
+worker.process.kill()
+worker.process.join()
+for _ in range(8):   # more than a pipe holds, for a reader that is gone
+    worker.sync_policy([("model.embed_tokens.weight", torch.zeros(512, 512))])
+worker.close()
+print("CLOSED")
+"""
+
+
+def test_a_run_whose_worker_died_still_exits(tiny_checkpoint):
+    """What was queued for a dead worker must not keep the process from exiting (a worker
+    that crashed at the end of a run left `bench recipe` hanging, spinning a core)."""
+    out = subprocess.run([sys.executable, "-c", _DEAD_WORKER, str(tiny_checkpoint[0])],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and "CLOSED" in out.stdout, out.stderr[-2000:]

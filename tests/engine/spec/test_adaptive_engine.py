@@ -14,12 +14,12 @@ import torch
 from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
-from tests.engine.spec.stat_utils import chi_square_test, exact_sequence_probs
+from tests.engine.spec.stat_utils import chi_square_test
 from tests.engine.spec.test_engine_lossless_stats import (
     NUM_SAMPLES,
     PROMPT,
     SEED,
-    VOCAB,
+    _expected,
 )
 
 LARGEST = SpecConfig(method="eagle", depth=4, topk=3, tokens_to_verify=8)
@@ -118,18 +118,8 @@ def test_sampling_with_switched_steps_is_the_policy_distribution(tiny_vocab):
     assert Counter(engine.last_trace.arms)["off"] > 2
     assert engine.last_stats.num_accepted > 0.1 * NUM_SAMPLES
     observed = Counter(tuple(o.token_ids[2:LENGTH]) for o in outs)
-    check = chi_square_test(observed, _last_two(_expected_len(hf, params)))
+    check = chi_square_test(observed, _last_two(_expected(hf, params, LENGTH)))
     assert check.pvalue > 0.01, check.describe()
-
-
-def _expected_len(hf, params: SamplingParams) -> dict:
-    from fastdraft.engine.spec.probs import processed_probs
-
-    def next_probs(prefix):
-        with torch.no_grad():
-            logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-        return processed_probs(logits.double(), params).tolist()
-    return exact_sequence_probs(next_probs, LENGTH, VOCAB)
 
 
 def test_a_tuner_widens_the_engine_to_its_largest_arm(tiny_checkpoint, random_drafter):

@@ -24,12 +24,13 @@ SEED = 100_000
 PROMPT = [3, 5, 2]
 
 
-def _expected(hf, params: SamplingParams) -> dict:
+def _expected(hf, params: SamplingParams, length: int = LENGTH) -> dict:
+    """The exact law of the first `length` tokens after PROMPT."""
     def next_probs(prefix):
         with torch.no_grad():
             logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
         return processed_probs(logits.double(), params).tolist()
-    return exact_sequence_probs(next_probs, LENGTH, VOCAB)
+    return exact_sequence_probs(next_probs, length, VOCAB)
 
 
 def _sample(path, params: SamplingParams, restricted: bool = False) -> dict:
