@@ -223,7 +223,7 @@ class RolloutEngine:
     def step(self, scheduler: Scheduler) -> list[Request]:
         batch = scheduler.schedule()
         if batch.phase is Phase.PREFILL:
-            self.last_arm, self.last_num_tokens = "prefill", len(batch.requests)
+            self.last_arm = "prefill"
             finished = self._prefill(scheduler, batch)
         else:
             finished = self._generate_step(scheduler, batch)
@@ -263,13 +263,11 @@ class RolloutEngine:
         cfg = self.spec
         if self.tuner is not None and cfg.enabled:
             cfg = self.tuner.select(len(requests))
-        num_before = sum(len(r.output_token_ids) for r in requests)
         start = time.perf_counter()
         finished = (self._speculate(scheduler, batch, cfg) if cfg.enabled
                     else self._decode(scheduler, batch))
         elapsed = time.perf_counter() - start
         self.last_arm = arm_name(cfg)
-        self.last_num_tokens = sum(len(r.output_token_ids) for r in requests) - num_before
         if self.tuner is not None and self.spec.enabled:
             self.tuner.record(cfg, self.last_num_tokens, len(requests), elapsed)
         return finished
@@ -287,9 +285,10 @@ class RolloutEngine:
         mode = SamplingMode.of(requests)
         capture = self.hidden_sink is not None
         feed = self.spec.enabled and self.proposer.drafts_on_device
+        keep = capture or feed
         self.io.load([r.last_token_id for r in requests], [n - 1 for n in lengths], size)
-        self.graphs.run(("decode", size, ctx_len, mode, sees_all, capture or feed),
-                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, capture or feed))
+        self.graphs.run(("decode", size, ctx_len, mode, sees_all, keep),
+                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, keep))
         if feed:  # the drafter's cell of the new token sits one past the policy's context
             commit_ctx = self.buckets.context_bucket(max(lengths) + 1)
             self.graphs.run(("commit", size, commit_ctx, 1),
@@ -382,6 +381,8 @@ class RolloutEngine:
                      token_ids: list[list[int]], logprobs: list[list[float]]) -> list[Request]:
         num_before = [len(r.output_token_ids) for r in batch.requests]
         finished = scheduler.postprocess(batch, token_ids, logprobs)
+        self.last_num_tokens = sum(len(r.output_token_ids) for r in batch.requests) - sum(
+            num_before)   # what the step made: the trace's and the tuner's count
         if self.spec.enabled:
             done = {id(r) for r in finished}
             for r, before in zip(batch.requests, num_before):

@@ -47,7 +47,7 @@ class Envelope:
         smaller arms read and write fewer than the envelope's largest)."""
         if not spec.enabled:
             return 0
-        return max(spec.tokens_to_verify, max(spec.depth - 1, 0) * spec.topk, spec.depth + 1)
+        return _tree_cells(spec.tokens_to_verify, spec.depth, spec.topk)
 
     @property
     def num_draft_scratch(self) -> int:
@@ -60,7 +60,7 @@ class Envelope:
         or the tokens a commit appends (at most depth + 1)."""
         if not self.max_tree_nodes:
             return 0
-        return max(self.max_tree_nodes, self.num_draft_scratch, self.max_depth + 1)
+        return _tree_cells(self.max_tree_nodes, self.max_depth, self.max_topk)
 
     @property
     def cache_len(self) -> int:
@@ -77,3 +77,9 @@ class Envelope:
         """Columns of a speculative step's accepted tokens: a path of up to max_depth nodes
         plus the bonus token."""
         return self.max_depth + 1
+
+
+def _tree_cells(nodes: int, depth: int, topk: int) -> int:
+    """Verify nodes, expanded draft nodes (every level but the last), or a commit's depth + 1
+    tokens: whichever reaches furthest past a row's context."""
+    return max(nodes, max(depth - 1, 0) * topk, depth + 1)

@@ -82,12 +82,12 @@ class Scheduler:
             candidates = sorted((self.waiting.popleft() for _ in range(num_fit)),
                                 key=lambda r: len(r.prompt_token_ids))
             longest = 0
-            for request in candidates:
+            for request in candidates:   # ascending: each prompt is the chunk's longest
                 n = len(request.prompt_token_ids)
-                if admitted and ((len(admitted) + 1) * max(longest, n) > self.max_prefill_tokens
+                if admitted and ((len(admitted) + 1) * n > self.max_prefill_tokens
                                  or len(admitted) * (n - longest) > CHUNK_COST_TOKENS):
                     break
-                longest = max(longest, n)
+                longest = n
                 request.slot = len(self.running) + len(admitted)
                 admitted.append(request)
             self.waiting.extendleft(reversed(candidates[len(admitted):]))

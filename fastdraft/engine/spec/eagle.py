@@ -98,7 +98,8 @@ class EagleProposer(Proposer):
 
     def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
         """The drafter over the accepted tokens + bonus of every row (padding past each row's
-        count writes cells the next step overwrites); logits only at each row's last token.
+        count writes cells the next step overwrites); each row's last features become the root of
+        its next tree (logits are left to draft()).
         width: accepted columns to run (1 after a plain decode step; default all)."""
         width = width or io.commit_width
         root_pos = io.root_pos[:batch]
