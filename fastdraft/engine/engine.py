@@ -331,15 +331,14 @@ class RolloutEngine:
             sampled_drafts = mode is not SamplingMode.GREEDY
             self.graphs.run(("draft", size, ctx_len, cfg.depth, cfg.topk, width, mode),
                             lambda: proposer.draft(io, size, ctx_len, cfg, mode))
+            proposer.after_draft(io, requests, cfg, size)
         else:
             drafts = proposer.propose(requests, cfg)
             sampled_drafts = drafts.parent_probs is not None
             io.drafts.store(drafts, size, width)
         capture = self.hidden_sink is not None
-        self.graphs.run(("verify", size, ctx_len, width, cfg.depth, mode, sampled_drafts,
-                         capture),
-                        lambda: self._verify_stage(size, ctx_len, width, cfg.depth, mode,
-                                                   sampled_drafts, capture))
+        stage = (size, ctx_len, width, cfg.depth, mode, sampled_drafts, capture)
+        self.graphs.run(("verify", *stage), lambda: self._verify_stage(*stage))
         if proposer.drafts_on_device:
             self.graphs.run(("commit", size, ctx_len, cfg.depth + 1),
                             lambda: proposer.commit(io, size, ctx_len, width=cfg.depth + 1))

@@ -187,7 +187,7 @@ def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
 def resolve_drafter(cfg: RunConfig, policy_dir: Path) -> Path | None:
     """The drafter of an EAGLE recipe: drafter.path, or for the bootstrap policy one warmed up
     with the recipe's settings (cached beside the policy)."""
-    if cfg.rollout.spec.method != "eagle":
+    if not cfg.rollout.spec.uses_drafter:
         return None
     if cfg.drafter.path is not None:
         path = Path(cfg.drafter.path).expanduser()

@@ -113,11 +113,10 @@ def accept_sampled(drafts: DraftBatch, logits: torch.Tensor, st: SamplingTensors
              else drafts.parent_probs.to(probs.dtype))
     pq_rows = torch.stack([probs, q_all], 2)                                  # [B, 1 + N, 2, V]
     first_child, next_sibling = tree_links(drafts.parents, drafts.num_nodes)
-    # Per node: its token, uniform, whether its parent drew it from q (a greedy row verifies
-    # every child as a point mass), its first child and next sibling.
+    # Per node: its token, uniform, whether it was drawn from its parent's q (a greedy row
+    # verifies every child as a point mass), its first child and next sibling.
     sampled = (torch.zeros(batch, width, dtype=torch.bool, device=dev)
-               if drafts.is_sampled is None
-               else drafts.is_sampled.gather(1, drafts.parents + 1) & ~st.is_greedy.unsqueeze(1))
+               if drafts.is_sampled is None else drafts.is_sampled & ~st.is_greedy.unsqueeze(1))
     table = torch.stack([drafts.tokens.double(), node_uniforms.double(), sampled.double(),
                          first_child[:, 1:].double(), next_sibling.double()], 2)  # [B, N, 5]
     b_idx = torch.arange(batch, device=dev)

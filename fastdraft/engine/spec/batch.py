@@ -27,7 +27,7 @@ class DraftBatch:
     ancestors: torch.Tensor             # [B, N, N] bool: [b, i, j] = node j is i or i's ancestor
     num_nodes: torch.Tensor             # [B] long: real nodes per row (a prefix of the N)
     parent_probs: torch.Tensor | None   # [B, N + 1, V] (DraftTree.parent_probs per row) or None
-    is_sampled: torch.Tensor | None     # [B, N + 1] bool or None (= all chosen)
+    is_sampled: torch.Tensor | None     # [B, N] bool per node or None (= all chosen)
     sources: torch.Tensor               # [B, N] int8 proposer id per node
 
     @property
@@ -40,7 +40,7 @@ class DraftBatch:
         n = int(self.num_nodes[b])
         return DraftTree(self.tokens[b, :n], self.parents[b, :n],
                          None if self.parent_probs is None else self.parent_probs[b, : n + 1],
-                         None if self.is_sampled is None else self.is_sampled[b, : n + 1],
+                         None if self.is_sampled is None else self.is_sampled[b, :n],
                          self.sources[b, :n])
 
     @classmethod
@@ -64,7 +64,7 @@ class DraftBatch:
         vocab = next((t.parent_probs.shape[-1] for t in trees if t.parent_probs is not None), 0)
         probs = torch.zeros(batch, width + 1, vocab) if any_probs else None
         any_sampled = any(t.is_sampled is not None for t in trees)
-        sampled = torch.zeros(batch, width + 1, dtype=torch.bool) if any_sampled else None
+        sampled = torch.zeros(batch, width, dtype=torch.bool) if any_sampled else None
         for b, tree in enumerate(trees):
             n = tree.num_nodes
             if not n:
@@ -78,7 +78,7 @@ class DraftBatch:
             if probs is not None and tree.parent_probs is not None:
                 probs[b, : n + 1] = tree.parent_probs.cpu()
             if sampled is not None and tree.is_sampled is not None:
-                sampled[b, : n + 1] = tree.is_sampled.cpu()
+                sampled[b, :n] = tree.is_sampled.cpu()
         return cls(tokens.to(device), parents.to(device), depths.to(device),
                    ancestors.to(device),
                    torch.tensor([t.num_nodes for t in trees], device=device),
@@ -100,7 +100,7 @@ class DraftBuffers:
         self.ancestors = torch.eye(n, dtype=torch.bool, device=device).repeat(b, 1, 1)
         self.num_nodes = torch.zeros(b, dtype=torch.long, device=device)
         self.sources = torch.zeros(b, n, dtype=torch.int8, device=device)
-        self.is_sampled = torch.zeros(b, n + 1, dtype=torch.bool, device=device)
+        self.is_sampled = torch.zeros(b, n, dtype=torch.bool, device=device)
         self._parent_probs: torch.Tensor | None = None  # allocated on the first sampled tree
 
     def parent_probs(self) -> torch.Tensor:
@@ -115,7 +115,7 @@ class DraftBuffers:
                           self.depths[:batch, :width], self.ancestors[:batch, :width, :width],
                           self.num_nodes[:batch],
                           self.parent_probs()[:batch, : width + 1] if sampled else None,
-                          self.is_sampled[:batch, : width + 1] if sampled else None,
+                          self.is_sampled[:batch, :width] if sampled else None,
                           self.sources[:batch, :width])
 
     def store(self, drafts: DraftBatch, batch: int, width: int) -> DraftBatch:
@@ -139,7 +139,7 @@ class DraftBuffers:
         out.num_nodes[pad[0]] = 0
         if sampled:
             out.parent_probs[:rows, : num + 1] = drafts.parent_probs
-            out.is_sampled[:rows, : num + 1] = drafts.is_sampled
-            out.is_sampled[:, num + 1:] = False
+            out.is_sampled[:rows, :num] = drafts.is_sampled
+            out.is_sampled[:, num:] = False
             out.is_sampled[pad] = False
         return out

@@ -29,3 +29,8 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Drafts with a trained EAGLE drafter (alone or merged with another source)."""
+        return "eagle" in self.method.split("+")

@@ -204,7 +204,7 @@ class EagleProposer(Proposer):
         else:  # depth 1: no node has children
             node_q = q_rows[0].expand(-1, drafts.width, -1)
         probs = torch.cat([q_rows[0], node_q], 1)
-        is_sampled = (~sampling.is_greedy).unsqueeze(1).expand(-1, probs.shape[1])
+        is_sampled = (~sampling.is_greedy).unsqueeze(1).expand(-1, drafts.width)
         return replace(drafts, parent_probs=probs, is_sampled=is_sampled)
 
     def _layout(self, depth: int, k: int) -> DraftLayout:

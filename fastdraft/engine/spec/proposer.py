@@ -4,8 +4,9 @@ Two kinds of proposer:
 - host proposers (model-free ones: suffix) build each request's tree in plain Python with
   `propose`; the engine copies the trees into the step's static buffers;
 - device proposers (`drafts_on_device`, EAGLE) draft inside the step, as captured stages:
-  `draft` writes the step's DraftBuffers, `commit` runs the drafter over what the policy
-  accepted (with the policy's hidden states, left in the step's buffers by verify).
+  `draft` writes the step's DraftBuffers (`after_draft` may then add host-built nodes: the
+  multi-source proposer), `commit` runs the drafter over what the policy accepted (with the
+  policy's hidden states, left in the step's buffers by verify).
 Both see every request's new tokens (`on_tokens`) and its prefill (`on_prefill`).
 """
 
@@ -53,6 +54,11 @@ class Proposer:
               mode: SamplingMode) -> None:
         """Device proposers: a captured stage that writes io.drafts for rows 0..batch-1."""
         raise NotImplementedError
+
+    def after_draft(self, io: StepIO, requests: list[Request], cfg: SpecConfig,
+                    batch: int) -> None:
+        """Device proposers: host work after the draft stage, outside any captured graph
+        (a multi-source proposer grafts host-built candidates into io.drafts here)."""
 
     def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
         """Device proposers: a captured stage after verify (io.accepted_ids, io.num_accepted,

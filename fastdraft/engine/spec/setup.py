@@ -14,7 +14,7 @@ from fastdraft.models import CausalLM
 
 def known_methods() -> list[str]:
     # Importing registers the built-in proposers.
-    from fastdraft.engine.spec import eagle, suffix_proposer  # noqa: F401
+    from fastdraft.engine.spec import eagle, merged, suffix_proposer  # noqa: F401
     return ["none", *sorted(PROPOSERS)]
 
 

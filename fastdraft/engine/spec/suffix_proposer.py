@@ -39,10 +39,15 @@ class SuffixProposer(Proposer):
         self.drafter.extend(key, new_token_ids)
 
     def propose(self, requests: list[Request], cfg: SpecConfig) -> DraftBatch:
-        return DraftBatch.from_trees(
-            [self.drafter.propose(self._key(r), cfg.tokens_to_verify, cfg.depth)
-             if self._key(r) in self._started else DraftTree.empty() for r in requests],
-            device="cpu", source_id=self.source_id)
+        return DraftBatch.from_trees([self.tree(r, cfg.tokens_to_verify, cfg.depth)
+                                      for r in requests], device="cpu", source_id=self.source_id)
+
+    def tree(self, request: Request, num_nodes: int, max_depth: int) -> DraftTree:
+        """One request's best-first tree (empty before its prefill)."""
+        key = self._key(request)
+        if key not in self._started:
+            return DraftTree.empty()
+        return self.drafter.propose(key, num_nodes, max_depth)
 
     def on_finish(self, request: Request) -> None:
         key = self._key(request)

@@ -4,12 +4,15 @@ Node i (0 <= i < num_nodes) holds a drafted token; its parent is another node or
 The root is the request's last committed token (not yet run through the policy). Siblings are
 listed in the order verification must try them (for sampled children: the order they were drawn).
 
-Draft distributions: `parent_probs[j]` is the draft distribution q the children of parent j were
-taken from, with row 0 = the root and row i + 1 = node i; rows of parents that have no children
-are unused. A parent whose children were *sampled without replacement* from q has
-`is_sampled[j] = True`; verification then accepts child x with min(1, p(x) / q(x)). Children that
-were *chosen* (greedy top-k, a model-free suffix match) have `is_sampled[j] = False` and are
-verified as point masses (accept x with p(x)), which is lossless for any deterministic choice.
+Draft distributions: `parent_probs[j]` is the draft distribution q the sampled children of parent
+j were taken from, with row 0 = the root and row i + 1 = node i; rows of parents that have no
+sampled children are unused. A node *sampled without replacement* from its parent's q has
+`is_sampled[i] = True`; verification then accepts it with min(1, p(x) / q(x)). A node that was
+*chosen* (greedy top-k, a model-free suffix match) has `is_sampled[i] = False` and is verified as
+a point mass (accept x with p(x)), which is lossless for any choice made without the verifier's
+coins. One parent may have both (a merged multi-source tree): its sampled children, a prefix of
+their draw order, then chosen ones; each rejection updates p (and, for a sampled one, q) so
+that the next sibling is verified against what is left, which keeps every mix lossless.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class DraftTree:
     tokens: torch.Tensor                    # [N] long
     parents: torch.Tensor                   # [N] long, ROOT or an earlier node index (< i)
     parent_probs: torch.Tensor | None       # [N + 1, V] float, see module doc; None = all chosen
-    is_sampled: torch.Tensor | None         # [N + 1] bool; None = all False
+    is_sampled: torch.Tensor | None         # [N] bool per node; None = all chosen
     sources: torch.Tensor | None = None     # [N] int8 proposer id per node (stats)
 
     def __post_init__(self) -> None:
@@ -38,6 +41,8 @@ class DraftTree:
             "a node's parent must be the root or an earlier node"
         if self.parent_probs is not None:
             assert self.parent_probs.shape[0] == n + 1, "parent_probs must be [N + 1, V]"
+        if self.is_sampled is not None:
+            assert self.is_sampled.shape == (n,), "is_sampled must be [N] (one flag per node)"
 
     @property
     def num_nodes(self) -> int:

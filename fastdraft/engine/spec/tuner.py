@@ -122,17 +122,24 @@ class TunerConfig:
         ones for small batches; smaller trees and "off" from 8 requests; "off" first (the
         elastic prior) with two small trees from elastic_threshold up. One bucket per power of
         two up to max_batch, so the arms of a bucket are compared at similar batch sizes (a
-        step's tokens per second grows with its batch size)."""
+        step's tokens per second grows with its batch size). A merged spec ("eagle+suffix",
+        whose tokens_to_verify counts EAGLE's nodes and the suffix share together) plays its
+        merged tree in the tail buckets next to EAGLE-only trees of the same EAGLE size."""
         if not spec.enabled:
             raise ValueError("a tuner needs a speculative spec (method != 'none') to build arms")
-        m, d, k, n = spec.method, spec.depth, spec.topk, spec.tokens_to_verify
+        merged = spec.method == "eagle+suffix"
+        m = "eagle" if merged else spec.method
+        d, k, n = spec.depth, spec.topk, spec.tokens_to_verify
 
-        def arm(depth: int, topk: int, nodes: int) -> SpecConfig:
-            return SpecConfig(method=m, depth=max(depth, 1), topk=max(topk, 1),
+        def arm(depth: int, topk: int, nodes: int, method: str = m) -> SpecConfig:
+            return SpecConfig(method=method, depth=max(depth, 1), topk=max(topk, 1),
                               tokens_to_verify=max(nodes, 1))
 
         mid = max(min(8, elastic_threshold // 2), 2)
         small = [arm(d, k, n), arm(d, k, 2 * n // 3), arm(d - 2, k, n // 2)]
+        if merged:  # EAGLE keeps n - min(d, n // 2) nodes of a merged tree of n
+            small = [spec, arm(d, k, n - min(d, n // 2)), arm(d, k, 2 * n // 3, spec.method),
+                     arm(d - 2, k, n // 2)]
         middle = [arm(d - 2, k, n // 2), arm(d - 3, k - 1, n // 3), OFF]
         large = [OFF, arm(d - 3, k - 1, n // 3), arm(2, 1, 2)]
         starts = sorted({1, mid, elastic_threshold} |
@@ -268,8 +275,11 @@ def check_tuner(tuner: TunerConfig | None, spec: SpecConfig) -> SpecTuner | None
     if not spec.enabled:
         raise ValueError("a tuner picks among speculative arms: set spec.method (e.g. 'eagle') "
                          "or drop the tuner")
-    other = sorted({a.method for a in tuner.arms if a.enabled and a.method != spec.method})
+    # The merged proposer also drafts EAGLE-only trees (its suffix share is then empty).
+    allowed = {spec.method, "eagle"} if spec.method == "eagle+suffix" else {spec.method}
+    other = sorted({a.method for a in tuner.arms if a.enabled and a.method not in allowed})
     if other:
         raise ValueError(f"tuner arms draft with {other} but the engine's proposer is "
-                         f"{spec.method!r}: every arm must use {spec.method!r} or be 'off'")
+                         f"{spec.method!r}: every arm must use one of {sorted(allowed)} or be "
+                         "'off'")
     return SpecTuner(tuner)

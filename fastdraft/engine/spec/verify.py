@@ -4,7 +4,8 @@ Greedy: the longest path whose tokens are the policy's argmaxes, then the argmax
 so the output equals plain greedy decoding token for token.
 
 Sampling: multi-draft recursive rejection sampling without replacement. At node u with target
-p (processed exactly like plain sampling) the children are tried in tree order:
+p (processed exactly like plain sampling) the children are tried in tree order, each by its own
+kind (one parent may have both, in a merged multi-source tree):
   - sampled children (drawn without replacement from q): accept x with min(1, p(x) / q(x)); on
     reject p <- norm(max(p - q, 0)) and q <- norm(q with x zeroed) — the next child was drawn from
     that q, and the residual has no mass on x, so dropping x from q changes nothing that matters.
@@ -86,7 +87,7 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
     """-> (accepted node ids, bonus token) by recursive rejection sampling (module doc)."""
     n = tree.num_nodes
     probs = processed_probs(target_logits, params)                 # [N + 1, V]
-    sampled = ([False] * (n + 1) if tree.is_sampled is None
+    sampled = ([False] * n if tree.is_sampled is None
                else [bool(s) for s in tree.is_sampled.tolist()])
     q_all = None
     if any(sampled):
@@ -123,7 +124,7 @@ def _rejection_walk(children: list[list[int]], tokens: list[int], sampled: list[
         for c in children[row]:
             x = tokens[c]
             px = p_first[c] if p is None else float(p[x])
-            if sampled[row]:
+            if sampled[c]:
                 assert q_all is not None
                 qx = q_first[c] if q is None else float(q[x])
                 if qx <= 0.0:

@@ -76,7 +76,7 @@ def test_batched_sampled_accept_equals_per_tree_verify(seed) -> None:
         q[torch.rand(n + 1, vocab, generator=gen) < 0.15] = 0.0  # some zero-probability drafts
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-9)
         trees.append(DraftTree(shape.tokens, shape.parents, q,
-                               torch.rand(n + 1, generator=gen) < 0.6))
+                               torch.rand(n, generator=gen) < 0.6))  # kinds mixed
     batch = DraftBatch.from_trees(trees)
     logits = torch.randn(num_rows, 1 + batch.width, vocab, generator=gen) * 2
     for b, tree in enumerate(trees):  # make some drafts likely, so long accepts happen

@@ -122,6 +122,46 @@ def test_sampling_with_switched_steps_is_the_policy_distribution(tiny_vocab):
     assert check.pvalue > 0.01, check.describe()
 
 
+MERGED = SpecConfig(method="eagle+suffix", depth=4, topk=3, tokens_to_verify=8)
+
+
+def test_greedy_with_merged_trees_and_switched_steps_equals_plain_greedy(tiny_checkpoint,
+                                                                         random_drafter):
+    """EAGLE + suffix trees (suffix candidates grafted into EAGLE's), EAGLE-only trees and
+    plain steps, one at random per step: still plain greedy token for token, and the grafted
+    suffix candidates are accepted (the second copy of each prompt copies the first)."""
+    path, _ = tiny_checkpoint
+    prompts = _prompts(9, seed=3) * 2
+    params = SamplingParams(greedy=True, max_new_tokens=24)
+    plain = RolloutEngine(path, max_batch_size=4, max_seq_len=96).generate(prompts, params)
+    tuner = _switching("eagle+suffix/4/3/8", "off", "eagle/2/2/3", "eagle+suffix/3/2/6")
+    engine = RolloutEngine(path, max_batch_size=4, max_seq_len=96, spec=MERGED,
+                           drafter=random_drafter, tuner=tuner)
+    outs = engine.generate(prompts, params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    assert engine.last_stats.accepted_by_source.get("suffix", 0) > 20
+    assert Counter(engine.last_trace.arms)["eagle+suffix/4/3/8"] > 3
+
+
+def test_sampling_with_merged_trees_and_switched_steps_is_the_policy_distribution(tiny_vocab):
+    """Merged trees put chosen suffix candidates next to sampled EAGLE children under one
+    parent; with off / EAGLE / merged steps switched at random, tokens 3 and 4 (decided after
+    two or more steps) have the policy's joint law."""
+    path, hf = tiny_vocab
+    params = SamplingParams(temperature=1.0, seed=SEED + 11, max_new_tokens=LENGTH,
+                            ignore_eos=True)
+    tuner = _switching("eagle+suffix/2/3/6", "off", "eagle/1/2/2")
+    engine = RolloutEngine(path, max_batch_size=512, max_seq_len=16,
+                           spec=SpecConfig(method="eagle+suffix", depth=2, topk=3,
+                                           tokens_to_verify=6),
+                           drafter=path / "drafter", tuner=tuner)
+    outs = engine.generate([PROMPT] * NUM_SAMPLES, params)
+    assert engine.last_stats.accepted_by_source.get("suffix", 0) > 0.02 * NUM_SAMPLES
+    observed = Counter(tuple(o.token_ids[2:LENGTH]) for o in outs)
+    check = chi_square_test(observed, _last_two(_expected(hf, params, LENGTH)))
+    assert check.pvalue > 0.01, check.describe()
+
+
 def test_a_tuner_widens_the_engine_to_its_largest_arm(tiny_checkpoint, random_drafter):
     path, _ = tiny_checkpoint
     tuner = TunerConfig(buckets=(TunerBucket(min_batch=1, arms=(
@@ -129,6 +169,6 @@ def test_a_tuner_widens_the_engine_to_its_largest_arm(tiny_checkpoint, random_dr
     engine = RolloutEngine(path, max_batch_size=2, max_seq_len=64, spec=LARGEST,
                            drafter=random_drafter, tuner=tuner)
     assert (engine.envelope.max_depth, engine.envelope.max_tree_nodes) == (7, 20)
-    with pytest.raises(ValueError, match="must use 'eagle'"):
+    with pytest.raises(ValueError, match=r"must use one of \['eagle'\]"):
         RolloutEngine(path, max_batch_size=2, max_seq_len=64, spec=LARGEST,
                       drafter=random_drafter, tuner=_switching("eagle/2/2/2", method="suffix"))

@@ -33,8 +33,12 @@ def _expected(hf, params: SamplingParams, length: int = LENGTH) -> dict:
     return exact_sequence_probs(next_probs, length, VOCAB)
 
 
-def _sample(path, params: SamplingParams, restricted: bool = False) -> dict:
-    spec = SpecConfig(method="eagle", depth=3, topk=3, tokens_to_verify=6)
+def _sample(path, params: SamplingParams, restricted: bool = False, method: str = "eagle"
+            ) -> dict:
+    """method "eagle+suffix": EAGLE's 3 nodes + 3 suffix nodes grafted in (chosen candidates
+    next to sampled children under one parent); the suffix drafter's sources are the
+    rollouts of PROMPT that finished earlier in the same call."""
+    spec = SpecConfig(method=method, depth=3, topk=3, tokens_to_verify=6)
     proposer = None
     if restricted:  # a draft vocabulary of 6 of the 8 tokens, children drawn from q's top 3
         policy = load_model(path)
@@ -49,19 +53,24 @@ def _sample(path, params: SamplingParams, restricted: bool = False) -> dict:
                                drafter=path / "drafter")
     outs = engine.generate([PROMPT] * NUM_SAMPLES, params)
     assert engine.last_stats.num_accepted > 0.2 * NUM_SAMPLES  # the draft path is exercised
+    if method == "eagle+suffix":  # and so are the grafted candidates
+        assert engine.last_stats.accepted_by_source.get("suffix", 0) > 0.1 * NUM_SAMPLES
     return counts_of([o.token_ids for o in outs], LENGTH)
 
 
-@pytest.mark.parametrize("temperature, top_p, restricted", [
-    (1.0, 1.0, False), (0.6, 1.0, False), (1.0, 0.8, False), (1.0, 1.0, True)])
+@pytest.mark.parametrize("temperature, top_p, restricted, method", [
+    (1.0, 1.0, False, "eagle"), (0.6, 1.0, False, "eagle"), (1.0, 0.8, False, "eagle"),
+    (1.0, 1.0, True, "eagle"), (1.0, 1.0, False, "eagle+suffix"),
+    (0.7, 0.9, False, "eagle+suffix")])
 def test_engine_sampling_is_the_policy_distribution(tiny_vocab, temperature, top_p,
-                                                    restricted):
+                                                    restricted, method):
     """restricted: drafts over a draft vocabulary and q's top m only (any q is lossless when
     verification divides by the q drawn from)."""
     path, hf = tiny_vocab
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=SEED,
                             max_new_tokens=LENGTH, ignore_eos=True)
-    pvalue = chi_square_pvalue(_sample(path, params, restricted), _expected(hf, params))
+    pvalue = chi_square_pvalue(_sample(path, params, restricted, method),
+                               _expected(hf, params))
     assert pvalue > 0.01
 
 
@@ -78,3 +87,19 @@ def test_engine_test_detects_a_broken_acceptance_rule(tiny_vocab, monkeypatch):
     monkeypatch.setattr(accept_mod, "_reject_rows", broken)
     params = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)
     assert chi_square_pvalue(_sample(path, params), _expected(hf, params)) < 1e-4
+
+
+def test_engine_test_detects_grafted_candidates_verified_as_samples(tiny_vocab, monkeypatch):
+    """Merged trees: verifying the grafted suffix candidates by their parent's kind (as draws
+    from q, what a per-parent flag does) instead of as point masses must be caught."""
+    from fastdraft.engine.spec import merged
+    path, hf = tiny_vocab
+    real = merged.graft_into
+
+    def flagged_as_sampled(buffers, batch, base_width, width, grafts, source_id):
+        real(buffers, batch, base_width, width, grafts, source_id)
+        buffers.is_sampled[:batch, :width] = True
+    monkeypatch.setattr(merged, "graft_into", flagged_as_sampled)
+    params = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)
+    assert chi_square_pvalue(_sample(path, params, method="eagle+suffix"),
+                             _expected(hf, params)) < 1e-4

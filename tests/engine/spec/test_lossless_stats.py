@@ -24,6 +24,7 @@ import torch
 
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec import verify as verify_mod
+from fastdraft.engine.spec.graft import graft
 from fastdraft.engine.spec.probs import processed_probs
 from fastdraft.engine.spec.tree import ROOT, DraftTree
 from fastdraft.engine.spec.verify import verify
@@ -99,19 +100,19 @@ class Draft:
     parents: list[int]
     rows: list[int]          # [N + 1] model row of the root's context, then of each node's
     ctxs: list[tuple[int, ...]]
-    sampled: list[bool]      # [N + 1] per parent (root first)
+    sampled: list[bool]      # [N] per node: drawn from its parent's q (else chosen)
 
     @classmethod
     def start(cls, ctx: tuple[int, ...]) -> Draft:
-        return cls([], [], [ctx_row(ctx)], [ctx], [False])
+        return cls([], [], [ctx_row(ctx)], [ctx], [])
 
-    def add(self, parent: int, token: int) -> int:
+    def add(self, parent: int, token: int, sampled: bool = False) -> int:
         ctx = (*self.ctxs[parent + 1], token)
         self.tokens.append(token)
         self.parents.append(parent)
         self.rows.append(ctx_row(ctx))
         self.ctxs.append(ctx)
-        self.sampled.append(False)
+        self.sampled.append(sampled)
         return len(self.tokens) - 1
 
     def row(self, node: int) -> int:
@@ -143,8 +144,7 @@ def chain(depth: int) -> Builder:
         d, node = Draft.start(ctx), ROOT
         for _ in range(depth):
             tok = rng.choices(range(V), weights=s.q_list[d.row(node)])[0]
-            d.sampled[node + 1] = True
-            node = d.add(node, tok)
+            node = d.add(node, tok, sampled=True)
         return d
     return build
 
@@ -157,8 +157,8 @@ def gumbel_tree(k: int, depth: int) -> Builder:
         for _ in range(depth):
             nxt = []
             for node in level:
-                d.sampled[node + 1] = True
-                nxt += [d.add(node, t) for t, _ in gumbel_top_k(s, d.row(node), k, rng)]
+                nxt += [d.add(node, t, sampled=True)
+                        for t, _ in gumbel_top_k(s, d.row(node), k, rng)]
             level = nxt
         return d
     return build
@@ -219,8 +219,7 @@ def _keep_top(d: Draft, key: dict[int, float], keep: int, sampled: bool) -> Draf
     out = Draft.start(d.ctxs[0])
     new_id = {ROOT: ROOT}
     for n in sorted(chosen):          # creation order: parents first, siblings in draw order
-        new_id[n] = out.add(new_id[d.parents[n]], d.tokens[n])
-        out.sampled[new_id[d.parents[n]] + 1] = sampled
+        new_id[n] = out.add(new_id[d.parents[n]], d.tokens[n], sampled)
     return out
 
 
@@ -246,15 +245,41 @@ def mixed_tree() -> Builder:
     chain step under each of those."""
     def build(s: Setting, ctx, rng, gen) -> Draft:
         d = Draft.start(ctx)
-        d.sampled[0] = True
         for a, _ in gumbel_top_k(s, d.row(ROOT), 2, rng):
-            na = d.add(ROOT, a)
+            na = d.add(ROOT, a, sampled=True)
             q = s.q_list[d.row(na)]
             for b in (max(range(V), key=q.__getitem__), rng.randrange(V)):
                 nb = d.add(na, b)
                 tok = rng.choices(range(V), weights=s.q_list[d.row(nb)])[0]
-                d.sampled[nb + 1] = True
-                d.add(nb, tok)
+                d.add(nb, tok, sampled=True)
+        return d
+    return build
+
+
+def suffix_like(ctx: tuple[int, ...], depth: int = 3) -> tuple[list[int], list[int]]:
+    """A model-free drafter's candidates: a chain whose every token is a fixed function of the
+    context so far, then a second root candidate (tokens, parents; parents before children)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    for _ in range(depth):
+        tokens.append((ctx_row((*ctx, *tokens)) * 7 + 3) % V)
+        parents.append(len(tokens) - 2 if len(tokens) > 1 else ROOT)
+    return [*tokens, (tokens[0] + 1) % V], [*parents, ROOT]
+
+
+def merged_tree(chosen_as_sampled: bool = False) -> Builder:
+    """The multi-source tree: an EAGLE-style pruned tree of sampled children (conditioned keys)
+    with suffix-like chosen candidates grafted in by the engine's own `graft` (identified with
+    a sampled child where the token matches, else appended after the sampled siblings, so one
+    parent has both kinds). chosen_as_sampled: flag the grafted nodes as drawn from q (what a
+    per-parent flag would do) - lossy."""
+    eagle = pruned_tree(3, 2, 2, 4, "conditioned")
+
+    def build(s: Setting, ctx, rng, gen) -> Draft:
+        d = eagle(s, ctx, rng, gen)
+        tokens, parents = suffix_like(ctx)
+        for parent, tok in graft(d.tokens, d.parents, tokens, parents, max_new=3):
+            d.add(parent, tok, sampled=chosen_as_sampled)
         return d
     return build
 
@@ -322,6 +347,8 @@ LOSSLESS = [
     Case("pruned-naive-keys-as-point-masses-T0.8-k3",
          pruned_tree(3, 2, 2, 4, "naive", as_point_masses=True), T08_K3, 2),
     Case("mixed-T1", mixed_tree(), T1, 3),
+    Case("merged-eagle-suffix-T1", merged_tree(), T1, 3),
+    Case("merged-eagle-suffix-T0.6-p0.8", merged_tree(), T06_P08, 2),
 ]
 
 
@@ -373,4 +400,12 @@ def test_naive_perturbed_key_pruning_is_not_lossless() -> None:
     survival depends on its later siblings' keys, whose law depends on the node's own token.
     The same tree verified as point masses, or built with conditioned keys, passes above."""
     case = Case("pruned-naive-keys-T1", pruned_tree(3, 3, 3, 2, "naive"), T1, 1)
+    assert fit_pvalue(case) < DETECT_P
+
+
+def test_merged_tree_with_grafted_nodes_verified_as_samples_is_detected() -> None:
+    """Grafted suffix candidates sit under parents whose other children were sampled: verifying
+    them by their parent's kind (as samples from q) instead of their own (point masses) is
+    lossy, and the test sees it."""
+    case = Case("merged-chosen-as-sampled-T1", merged_tree(chosen_as_sampled=True), T1, 1)
     assert fit_pvalue(case) < DETECT_P

@@ -128,6 +128,17 @@ def test_default_arms_put_several_arms_in_every_bucket_and_off_first_past_the_th
     assert max(a.tokens_to_verify for a in cfg.arms if a.enabled) == EAGLE.tokens_to_verify
 
 
+def test_default_arms_of_a_merged_spec_compare_merged_and_eagle_trees_in_the_tail():
+    merged = SpecConfig(method="eagle+suffix", depth=6, topk=3, tokens_to_verify=18)
+    cfg = TunerConfig.default(merged, elastic_threshold=32, max_batch=64)
+    tail = [arm_name(a) for a in cfg.buckets[0].arms]
+    assert tail[0] == "eagle+suffix/6/3/18" and "eagle/6/3/12" in tail  # EAGLE's same 12 nodes
+    assert all(a.method == "eagle" for b in cfg.buckets[3:] for a in b.arms if a.enabled)
+    assert check_tuner(cfg, merged) is not None   # EAGLE-only arms are served by the merged one
+    with pytest.raises(ValueError, match="must use one of"):
+        check_tuner(cfg, EAGLE)
+
+
 def test_bad_configs_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match="start at batch 1"):
         TunerConfig(buckets=(TunerBucket(min_batch=4, arms=(EAGLE,)),))
@@ -135,7 +146,7 @@ def test_bad_configs_are_refused_with_what_to_change():
         _config(epsilon=1.5)
     with pytest.raises(ValueError, match="repeats"):
         TunerBucket(min_batch=1, arms=(EAGLE, EAGLE))
-    with pytest.raises(ValueError, match="must use 'eagle'"):
+    with pytest.raises(ValueError, match=r"must use one of \['eagle'\]"):
         check_tuner(TunerConfig(buckets=(TunerBucket(min_batch=1, arms=_arms("suffix/4/1/4")),)),
                     EAGLE)
     with pytest.raises(ValueError, match=r"set spec\.method"):

@@ -53,11 +53,11 @@ def random_tree(rng: random.Random, num_nodes: int, vocab: int, max_children: in
 
 
 def sampled_tree(tokens: list[int], parents: list[int], q: torch.Tensor) -> DraftTree:
-    """Tree whose every parent's children count as drawn from the rows of q [N + 1, V]."""
+    """Tree whose every node counts as drawn from its parent's row of q [N + 1, V]."""
     n = len(tokens)
     return DraftTree(torch.tensor(tokens, dtype=torch.long),
                      torch.tensor(parents, dtype=torch.long), q,
-                     torch.ones(n + 1, dtype=torch.bool))
+                     torch.ones(n, dtype=torch.bool))
 
 
 def brute_force_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -206,7 +206,7 @@ def random_sampled_case(seed: int, vocab: int = 6) -> tuple[DraftTree, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(shape.num_nodes + 1, vocab, generator=gen).softmax(-1)
     tree = DraftTree(shape.tokens, shape.parents, q,
-                     torch.rand(shape.num_nodes + 1, generator=gen) < 0.5)
+                     torch.rand(shape.num_nodes, generator=gen) < 0.5)
     return tree, torch.randn(shape.num_nodes + 1, vocab, generator=gen) * 2
 
 
@@ -309,7 +309,7 @@ def test_residual_is_max_p_minus_q_normalised() -> None:
 
 
 def test_bad_inputs_raise() -> None:
-    tree = DraftTree(torch.tensor([1]), torch.tensor([ROOT]), None, torch.tensor([True, False]))
+    tree = DraftTree(torch.tensor([1]), torch.tensor([ROOT]), None, torch.tensor([True]))
     with pytest.raises(ValueError, match="parent_probs"):
         verify(tree, torch.zeros(2, 3), SamplingParams())
     with pytest.raises(ValueError, match="num_nodes"):
