@@ -13,6 +13,7 @@ import torch
 from fastdraft.engine import Completion, SamplingParams
 from fastdraft.rl.gate import LosslessGateError, check_logprobs
 from fastdraft.rl.sequences import SequenceBatch, build_batch
+from fastdraft.utils.memory import rss_mb
 
 if TYPE_CHECKING:
     from fastdraft.rl.run import Run
@@ -61,7 +62,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     metrics = {**rollout_metrics, **drafter_metrics, **gate, **update.metrics,
                "actor/trained_samples": float(len(keep)),
                **timer.metrics(), "timing/last_checkpoint_s": run.last_checkpoint_s,
-               "policy/version": float(run.engine.policy_version)}
+               "policy/version": float(run.engine.policy_version),
+               **({"process/rss_mb": rss} if (rss := rss_mb()) is not None else {})}
     # Logged before the checkpoint: a checkpointed step always has its metrics line.
     run.logger.log(step, metrics)
     if (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.algorithm.num_steps:

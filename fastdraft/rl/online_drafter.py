@@ -130,6 +130,8 @@ class OnlineDrafter:
                         "drafter/top3_acc": last["top3_acc"]})
         if stats.preemption_latencies_s:
             out["drafter/preemption_latency_s"] = stats.preemption_latencies_s[-1]
+        if self.worker.rss_mb is not None:
+            out["drafter/worker_rss_mb"] = self.worker.rss_mb
         return out
 
 

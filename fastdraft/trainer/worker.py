@@ -28,6 +28,7 @@ from safetensors.torch import load, save
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
 from fastdraft.trainer.spot import PolicyHead, Published, SpotConfig, SpotStats, SpotTrainer
+from fastdraft.utils.memory import release_free_memory, rss_mb
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
     elif kind == "advance":
         buffer.advance_step()
         trainer.stats.steps_at_advance = trainer.stats.steps
+        release_free_memory()   # a step's freed samples and batches back to the OS
     elif kind == "policy":
         trainer.sync_policy(_decode(payload).items())
     elif kind == "paused":   # the loop cleared `go` at payload (perf_counter); we are idle now
@@ -136,7 +138,7 @@ def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
         published = trainer.publish()
         replies.put(("published", published.version, published.checksum,
                      _encode(dict(published.tensors)), trainer.stats,
-                     buffer.stats().num_bytes))
+                     buffer.stats().num_bytes, rss_mb()))
     else:
         raise ValueError(f"SpotWorker: unknown command {kind!r}")
 
@@ -153,6 +155,7 @@ class SpotWorker:
         self.process.start()
         self.stats = SpotStats()
         self.buffer_bytes = 0
+        self.rss_mb: float | None = None   # the worker process's resident size, MiB
 
     # producer side (what SampleCollector calls)
     def add(self, sample: Sample) -> None:
@@ -183,7 +186,8 @@ class SpotWorker:
 
     def publish(self) -> Published:
         self._inbox.put(("publish", None))
-        _, version, checksum, blob, self.stats, self.buffer_bytes = self._reply("published")
+        _, version, checksum, blob, self.stats, self.buffer_bytes, self.rss_mb = self._reply(
+            "published")
         return Published(version, checksum, list(_decode(blob).items()))
 
     def state(self) -> dict:

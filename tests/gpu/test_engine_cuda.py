@@ -33,14 +33,15 @@ def test_cuda_greedy_with_graphs_matches_cpu_fp32(tiny_checkpoint):
     assert [c.token_ids for c in cpu] == [c.token_ids for c in gpu]
 
 
-@pytest.mark.parametrize("method", ["eagle", "suffix"])
+@pytest.mark.parametrize("method", ["eagle", "suffix", "eagle+suffix"])
 def test_cuda_speculative_greedy_with_graphs_equals_plain_greedy(tiny_checkpoint,
                                                                  random_drafter, method):
+    """eagle+suffix: EAGLE's draft stage as a graph, the graft between it and verify."""
     path, _ = tiny_checkpoint
     params = SamplingParams(greedy=True, max_new_tokens=24)
     plain = _engine(path, graphs=False).generate(_prompts(), params)
     spec = SpecConfig(method=method, depth=4, topk=2, tokens_to_verify=8)
-    engine = _engine(path, spec=spec, drafter=random_drafter if method == "eagle" else None)
+    engine = _engine(path, spec=spec, drafter=random_drafter if spec.uses_drafter else None)
     for _ in range(2):  # the second round lets the suffix drafter match earlier rollouts
         outs = engine.generate(_prompts(), params)
         assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
@@ -67,7 +68,9 @@ def test_cuda_graphs_with_an_arm_switch_every_step_equal_plain_greedy(tiny_check
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(method="eagle", depth=4, topk=2,
-                                                   tokens_to_verify=8)])
+                                                   tokens_to_verify=8),
+                                  SpecConfig(method="eagle+suffix", depth=4, topk=2,
+                                             tokens_to_verify=8)])
 def test_cuda_graphs_sample_exactly_what_eager_samples(tiny_checkpoint, random_drafter, spec):
     """Counter-based random numbers: a seeded sampled rollout is the same with and without
     graphs (and whatever batch it shares), mixed with greedy and filtered requests."""

@@ -31,8 +31,10 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
     assert rows[-1]["drafter/version"] == len(refreshed) - (1 if rows[-1].get(
         "drafter/refreshed") else 0)
     for key in ("drafter/loss", "drafter/top1_acc", "drafter/train_tokens",
-                "drafter/preemptions", "drafter/buffer_bytes"):
+                "drafter/preemptions", "drafter/buffer_bytes", "drafter/worker_rss_mb",
+                "process/rss_mb"):
         assert key in rows[-1], key
+    assert 0 < rows[-1]["drafter/worker_rss_mb"] < rows[-1]["process/rss_mb"] * 10
     # The end of the run: the drafter saved, exported, and checked, for both engines.
     for engine in ("sglang", "vllm"):
         assert (tmp_path / "run" / "export" / engine / "config.json").is_file()
