@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The multi-source method: EAGLE's tree with the suffix drafter's candidates grafted in.
+MERGED = "eagle+suffix"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SpecConfig:

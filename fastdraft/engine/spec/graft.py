@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fastdraft.engine.spec.batch import DraftBuffers
-from fastdraft.engine.spec.tree import ROOT
+from fastdraft.engine.spec.tree import ROOT, depths_of
 
 
 def graft(base_tokens: list[int], base_parents: list[int], extra_tokens: list[int],
@@ -40,11 +40,13 @@ def graft(base_tokens: list[int], base_parents: list[int], extra_tokens: list[in
 
 
 def graft_into(buffers: DraftBuffers, batch: int, base_width: int, width: int,
-               grafts: list[list[tuple[int, int]]], source_id: int) -> None:
-    """Appends each row's grafted nodes (from `graft`, numbered after the row's num_nodes) to
-    the step's draft buffers, whose first base_width columns hold the base trees; columns
-    base_width..width - 1 not grafted become padding. Chosen nodes: is_sampled False; their
-    parent_probs rows are never read (they have no sampled children)."""
+               base_parents: list[list[int]], grafts: list[list[tuple[int, int]]],
+               source_id: int) -> None:
+    """Appends each row's grafted nodes (from `graft`) to the step's draft buffers, whose
+    first base_width columns hold the base trees. base_parents[b]: the parents of row b's real
+    base nodes, as the caller grafted against them (nothing is read back from the device).
+    Columns base_width..width - 1 not grafted become padding in all `batch` rows. Chosen
+    nodes: is_sampled False; their parent_probs rows are never read (no sampled children)."""
     view = buffers.view(batch, width, sampled=False)
     pad = slice(base_width, width)
     view.tokens[:, pad] = 0
@@ -56,31 +58,27 @@ def graft_into(buffers: DraftBuffers, batch: int, base_width: int, width: int,
     view.ancestors[:, pad, pad] |= torch.eye(width - base_width, dtype=torch.bool,
                                              device=view.ancestors.device)
     buffers.is_sampled[:batch, pad] = False
-    rows_with = [b for b, g in enumerate(grafts) if g]
-    if not rows_with:
-        return
-    num_nodes = view.num_nodes.tolist()
-    parents_of = view.parents[rows_with, :base_width].tolist()
-    depths_of = view.depths[rows_with, :base_width].tolist()
-    rows, cols, toks, pars, deps, anc_rows, anc_cols = [], [], [], [], [], [], []
-    for b, parents, depths in zip(rows_with, parents_of, depths_of):
-        n = num_nodes[b]
-        parents, depths = parents[:n], depths[:n]
-        for parent, tok in grafts[b]:
-            i = len(parents)
-            parents.append(parent)
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
+    # One entry per grafted node: row, column, token, parent, depth; anc: (row, node, ancestor).
+    rows, cols, toks, pars, deps, anc = [], [], [], [], [], []
+    for b, new in enumerate(grafts):
+        if not new:
+            continue
+        first = len(base_parents[b])
+        parents = base_parents[b] + [p for p, _ in new]
+        depths = depths_of(parents)
+        for i in range(first, len(parents)):
             rows.append(b)
             cols.append(i)
-            toks.append(tok)
-            pars.append(parent)
-            deps.append(depths[-1])
+            pars.append(parents[i])
+            deps.append(depths[i])
             j = i
             while j != ROOT:          # the node and its ancestors: its tree-attention row
-                anc_rows.append((b, i))
-                anc_cols.append(j)
+                anc.append((b, i, j))
                 j = parents[j]
+        toks += [t for _, t in new]
         view.num_nodes[b] = len(parents)
+    if not rows:
+        return
     dev = view.tokens.device
     index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
     view.tokens.index_put_(index, torch.tensor(toks, device=dev))
@@ -89,5 +87,4 @@ def graft_into(buffers: DraftBuffers, batch: int, base_width: int, width: int,
     view.sources[index] = source_id
     buffers.is_sampled[index] = False
     view.ancestors[index] = False
-    b_i = torch.tensor(anc_rows, device=dev)
-    view.ancestors[b_i[:, 0], b_i[:, 1], torch.tensor(anc_cols, device=dev)] = True
+    view.ancestors[torch.tensor(anc, device=dev).unbind(1)] = True

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastdraft.engine.request import Request
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.config import MERGED, SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer, create_eagle_proposer
 from fastdraft.engine.spec.graft import graft, graft_into
 from fastdraft.engine.spec.proposer import Proposer, register_proposer
@@ -28,9 +28,6 @@ from fastdraft.engine.step_io import SamplingMode, StepIO
 if TYPE_CHECKING:
     from fastdraft.engine.scheduler import SlotMove
     from fastdraft.models import HiddenStates
-
-MERGED = "eagle+suffix"
-
 
 def suffix_share(cfg: SpecConfig) -> int:
     """Suffix nodes of a merged arm's budget: one chain of its depth, at most half."""
@@ -66,19 +63,18 @@ class MergedProposer(Proposer):
             return
         assert io.drafts is not None
         base_width = self.eagle.draft_width(self._eagle_cfg(cfg))
-        rows = len(requests)
-        base = io.drafts.view(rows, base_width, sampled=False)
+        base = io.drafts.view(len(requests), base_width, sampled=False)
         num_nodes = base.num_nodes.tolist()
         tokens, parents = base.tokens.tolist(), base.parents.tolist()
-        grafts = []
+        base_parents, grafts = [], []
         for b, request in enumerate(requests):
+            n = num_nodes[b]
+            base_parents.append(parents[b][:n])
             # Extra candidates beyond the share: those EAGLE already has cost nothing.
             extra = self.suffix.tree(request, share + cfg.depth, cfg.depth)
-            n = num_nodes[b]
-            grafts.append(graft(tokens[b][:n], parents[b][:n], extra.tokens.tolist(),
+            grafts.append(graft(tokens[b][:n], base_parents[b], extra.tokens.tolist(),
                                 extra.parents.tolist(), share))
-        grafts += [[]] * (batch - rows)
-        graft_into(io.drafts, batch, base_width, base_width + share, grafts,
+        graft_into(io.drafts, batch, base_width, base_width + share, base_parents, grafts,
                    self.suffix.source_id)
 
     # Everything else: EAGLE keeps its cache in step, the suffix drafter its token history.

@@ -54,10 +54,7 @@ class DraftTree:
 
     def depth_list(self) -> list[int]:
         """Depth of each node, 1 for children of the root (plain Python: trees are small)."""
-        depth: list[int] = []
-        for p in self.parents.tolist():
-            depth.append(1 if p == ROOT else depth[p] + 1)
-        return depth
+        return depths_of(self.parents.tolist())
 
     def children(self) -> list[list[int]]:
         """children()[j] = node indices whose parent is j - 1 (index 0 = root), in try order."""
@@ -72,6 +69,14 @@ class DraftTree:
             row[i] = True
             rows.append(row)
         return torch.tensor(rows, dtype=torch.bool).view(n, n)
+
+
+def depths_of(parents: list[int]) -> list[int]:
+    """Parent of each node (parents before children) -> depth of each node, 1 under the root."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p == ROOT else depth[p] + 1)
+    return depth
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.config import MERGED, SpecConfig
 
 OFF = SpecConfig(method="none")
 
@@ -127,7 +127,7 @@ class TunerConfig:
         merged tree in the tail buckets next to EAGLE-only trees of the same EAGLE size."""
         if not spec.enabled:
             raise ValueError("a tuner needs a speculative spec (method != 'none') to build arms")
-        merged = spec.method == "eagle+suffix"
+        merged = spec.method == MERGED
         m = "eagle" if merged else spec.method
         d, k, n = spec.depth, spec.topk, spec.tokens_to_verify
 
@@ -276,7 +276,7 @@ def check_tuner(tuner: TunerConfig | None, spec: SpecConfig) -> SpecTuner | None
         raise ValueError("a tuner picks among speculative arms: set spec.method (e.g. 'eagle') "
                          "or drop the tuner")
     # The merged proposer also drafts EAGLE-only trees (its suffix share is then empty).
-    allowed = {spec.method, "eagle"} if spec.method == "eagle+suffix" else {spec.method}
+    allowed = {spec.method, "eagle"} if spec.method == MERGED else {spec.method}
     other = sorted({a.method for a in tuner.arms if a.enabled and a.method not in allowed})
     if other:
         raise ValueError(f"tuner arms draft with {other} but the engine's proposer is "

@@ -96,8 +96,8 @@ def test_engine_test_detects_grafted_candidates_verified_as_samples(tiny_vocab, 
     path, hf = tiny_vocab
     real = merged.graft_into
 
-    def flagged_as_sampled(buffers, batch, base_width, width, grafts, source_id):
-        real(buffers, batch, base_width, width, grafts, source_id)
+    def flagged_as_sampled(buffers, batch, base_width, width, *rest):
+        real(buffers, batch, base_width, width, *rest)
         buffers.is_sampled[:batch, :width] = True
     monkeypatch.setattr(merged, "graft_into", flagged_as_sampled)
     params = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)

@@ -61,7 +61,8 @@ def test_graft_into_buffers_equals_the_merged_trees_padded() -> None:
                         stored.num_nodes, torch.zeros(batch, stored.width + 1, vocab),
                         torch.ones(batch, stored.width, dtype=torch.bool), stored.sources)
     buffers.store(stored, batch, base_width)
-    graft_into(buffers, batch, base_width, width, grafts, source_id=1)
+    graft_into(buffers, batch, base_width, width, [t.parents.tolist() for t in bases], grafts,
+               source_id=1)
     got = buffers.view(batch, width, sampled=True)
     want = DraftBatch.from_trees([_merged(t, g) for t, g in zip(bases, grafts)])
     assert any(grafts) and want.width <= width
