@@ -1,18 +1,19 @@
 """fastdraft: lossless speculative rollouts for RL post-training.
 
     from fastdraft import RolloutEngine, SamplingParams, SpecConfig     # the rollout engine
-    from fastdraft import TunerConfig                                   # per-step speculation
+    from fastdraft import TunerConfig, BudgetConfig                     # per-step speculation
     from fastdraft import RunConfig, load_recipe, run_recipe            # the GRPO main job
 """
 
 from fastdraft.config import RunConfig, load_recipe
 from fastdraft.engine import Completion, FinishReason, RolloutEngine, SamplingParams
 from fastdraft.engine.buckets import BucketPlan
+from fastdraft.engine.spec.budget import BudgetConfig
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerConfig
 
 __version__ = "0.1.0"
-__all__ = ["BucketPlan", "Completion", "FinishReason", "RolloutEngine", "RunConfig",
+__all__ = ["BucketPlan", "BudgetConfig", "Completion", "FinishReason", "RolloutEngine", "RunConfig",
            "SamplingParams", "SpecConfig", "TunerConfig", "__version__", "load_recipe",
            "run_recipe"]
 

@@ -10,6 +10,10 @@ contender, `adaptive_vs_none`, `adaptive_vs_best_static`, the share of the plain
 in its tail (fewer than half the requests running), and a bound: `oracle_s`, the time if every
 step had run at the best rate any contender reached at that number of running requests (steps
 grouped by powers of two), which no per-step choice among these arms can beat by much.
+With `rollout.budget.enabled=true` the adaptive engine also uses length-aware budgets (the
+answer lengths of earlier rounds are its history, as earlier RL steps are in a run), and two
+more contenders measure them on / off: the tuner without budgets, and the recipe's static tree
+with them (`budget_on_vs_off`, `static_budget_on_vs_off`).
 """
 
 from __future__ import annotations
@@ -49,15 +53,20 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
                for _ in range(cfg.rollout.group_size)]
     tuner = cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)
     static = {arm_name(a): a for a in tuner.arms if a.enabled}
-    contenders: dict[str, tuple[SpecConfig, Any]] = {
-        "none": (OFF, None), **{name: (arm, None) for name, arm in static.items()},
-        "adaptive": (spec, tuner)}
+    budget = cfg.rollout.budget.build() if cfg.rollout.budget.enabled else None
+    contenders: dict[str, tuple[SpecConfig, Any, Any]] = {
+        "none": (OFF, None, None), **{name: (arm, None, None) for name, arm in static.items()},
+        "adaptive": (spec, tuner, budget)}
+    if budget is not None:   # budgets on / off, side by side
+        contenders[BUDGET_OFF] = (spec, tuner, None)
+        contenders[f"{arm_name(spec)}+budget"] = (spec, None, budget)
     engines = {name: RolloutEngine(policy_dir, device=cfg.model.device,
                                    dtype=DTYPES[cfg.model.dtype],
                                    max_batch_size=cfg.rollout.max_batch_size,
                                    max_seq_len=max_seq_len, spec=arm,
-                                   drafter=drafter if arm.enabled else None, tuner=tuner_cfg)
-               for name, (arm, tuner_cfg) in contenders.items()}
+                                   drafter=drafter if arm.enabled else None, tuner=tuner_cfg,
+                                   budget=budget_cfg)
+               for name, (arm, tuner_cfg, budget_cfg) in contenders.items()}
     times: dict[str, list[float]] = defaultdict(list)
     traces: dict[str, list[RolloutTrace]] = defaultdict(list)
     accepts: dict[str, list[float]] = defaultdict(list)
@@ -79,6 +88,7 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
               ", ".join(f"{n} {engines[n].last_trace.time_s:.2f}s" for n in engines), flush=True)
     total = {name: sum(t) for name, t in times.items()}
     best = min(static, key=lambda n: total[n])
+    budgeted = f"{arm_name(spec)}+budget"
     none_traces = traces["none"]
     payload: dict[str, Any] = {
         "recipe": str(recipe), "overrides": overrides, "rounds": rounds,
@@ -97,17 +107,28 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "contenders": {name: {"time_s": total[name], "round_times_s": times[name],
                               "accept_length": sum(accepts[name]) / len(accepts[name]),
                               "sd_fraction": sum(t.sd_fraction for t in traces[name])
+                              / len(traces[name]),
+                              "drafting_row_fraction": sum(t.drafting_row_fraction
+                                                           for t in traces[name])
                               / len(traces[name])} for name in engines},
         "tuner_median_rewards": engines["adaptive"].tuner.median_rewards()
         if engines["adaptive"].tuner else {},
         "tuner": [{"min_batch": b.min_batch, "arms": [arm_name(a) for a in b.arms]}
                   for b in tuner.buckets]}
     payload["oracle_vs_none"] = payload["oracle_s"] / total["none"]
+    if budget is not None:
+        payload["budget"] = {"window": budget.window, "margin": budget.margin}
+        payload["budget_on_vs_off"] = total["adaptive"] / total[BUDGET_OFF]
+        payload["static_budget_on_vs_off"] = (total[budgeted] / total[arm_name(spec)]
+                                              if arm_name(spec) in total else None)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload["plot"] = str(_plot(traces, best, out_dir / "rollout_bench.png"))
     if json_path is not None:
         write_json(json_path, payload)
     return payload
+
+
+BUDGET_OFF = "adaptive_no_budget"
 
 
 def _by_running(traces: dict[str, list[RolloutTrace]]
@@ -192,12 +213,17 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     lines = [f"{out['num_requests']} requests (groups of {out['group_size']}, T="
              f"{out['temperature']}), {out['rounds']} rounds after a warm-up:"]
     for name, row in out["contenders"].items():
-        lines.append(f"  {name:>14}: {row['time_s']:.2f}s  accept length "
-                     f"{row['accept_length']:.2f}  speculated on {row['sd_fraction']:.0%} of steps")
+        lines.append(f"  {name:>18}: {row['time_s']:.2f}s  accept length "
+                     f"{row['accept_length']:.2f}  speculated on {row['sd_fraction']:.0%} of steps"
+                     f", {row['drafting_row_fraction']:.0%} of rows")
     lines += [f"adaptive_vs_none {out['adaptive_vs_none']:.3f}; adaptive_vs_best_static "
               f"{out['adaptive_vs_best_static']:.3f} (best static {out['best_static_name']}: "
               f"{out['best_static_vs_none']:.3f} of none)",
               f"bound: per-bucket oracle {out['oracle_s']:.2f}s = {out['oracle_vs_none']:.3f} of "
               f"none; the tail (< half running) is {out['tail_fraction_of_time']:.0%} of the plain "
               "rollout", f"plot: {out['plot']}"]
+    if "budget_on_vs_off" in out:
+        static = out["static_budget_on_vs_off"]
+        lines.append(f"length-aware budgets on / off: adaptive {out['budget_on_vs_off']:.3f}"
+                     + ("" if static is None else f", static tree {static:.3f}"))
     return lines

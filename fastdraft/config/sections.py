@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdraft.engine.spec.budget import BudgetConfig
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerConfig
 
@@ -85,6 +86,27 @@ class TunerSection:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetSection:
+    """rollout.budget: length-aware speculation budgets (engine/spec/budget.py, DAS): requests
+    predicted to finish within the batch's remaining steps decode plainly beside the trees of
+    the long ones, in the same forward. window: RL steps of per-prompt length history; margin:
+    lower speculates on more requests."""
+
+    enabled: bool = False
+    window: int = 4
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.build()   # malformed values fail when the recipe loads
+
+    def build(self) -> BudgetConfig:
+        try:
+            return BudgetConfig(window=self.window, margin=self.margin)
+        except ValueError as err:
+            raise ValueError(f"rollout.budget: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """prompts_per_step prompts, group_size samples each (GRPO's n), served by the engine."""
 
@@ -99,12 +121,15 @@ class RolloutConfig:
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="eagle", depth=6, topk=3,
                                                                 tokens_to_verify=12))
     tuner: TunerSection = field(default_factory=TunerSection)
+    budget: BudgetSection = field(default_factory=BudgetSection)
     graphs: bool | None = None          # None: CUDA graphs on CUDA devices
     compile: bool = False
 
     def __post_init__(self) -> None:
         _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
                  "speculative rollout.spec.method (e.g. eagle): the tuner picks among its trees")
+        _require(not self.budget.enabled or self.spec.enabled, "rollout.budget.enabled needs a "
+                 "speculative rollout.spec.method (e.g. eagle): budgets say which rows draft")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
             _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1")
         _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "

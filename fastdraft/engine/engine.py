@@ -25,6 +25,7 @@ from fastdraft.engine.capture import (
     emit_request_records,
     forward_aux_layers,
 )
+from fastdraft.engine.draws import accept_tree, sample_next
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
@@ -32,8 +33,8 @@ from fastdraft.engine.request import Completion, Request, generation_eos, make_r
 from fastdraft.engine.rng import Stream, uniform_keyed
 from fastdraft.engine.sampler import sample
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
-from fastdraft.engine.spec.accept import accept_greedy, accept_sampled
+from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler, SlotMove
+from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
@@ -58,14 +59,15 @@ class RolloutEngine:
                  spec: SpecConfig | None = None, compile: bool = False,
                  graphs: bool | None = None, buckets: BucketPlan | None = None,
                  capture_aux_layers: tuple[int, ...] = (),
-                 tuner: TunerConfig | None = None) -> None:
+                 tuner: TunerConfig | None = None, budget: BudgetConfig | None = None) -> None:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    generation_eos(Path(model_path)), drafter, spec, compile,
-                   graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner)
+                   graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
+                   budget=budget)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -74,7 +76,8 @@ class RolloutEngine:
                    graphs: bool | None = None, buckets: BucketPlan | None = None,
                    proposer: Proposer | None = None, share_weights: bool = False,
                    capture_aux_layers: tuple[int, ...] = (),
-                   tuner: TunerConfig | None = None) -> RolloutEngine:
+                   tuner: TunerConfig | None = None,
+                   budget: BudgetConfig | None = None) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -93,7 +96,8 @@ class RolloutEngine:
             model = copy.deepcopy(model)
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
-                     spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner)
+                     spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner,
+                     budget)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
@@ -101,10 +105,11 @@ class RolloutEngine:
               spec: SpecConfig, compile: bool = False, graphs: bool | None = None,
               buckets: BucketPlan | None = None, proposer: Proposer | None = None,
               capture_aux_layers: tuple[int, ...] = (),
-              tuner: TunerConfig | None = None) -> None:
+              tuner: TunerConfig | None = None, budget: BudgetConfig | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.tuner = check_tuner(tuner, spec)
+        self.budget = LengthBudget(budget) if budget is not None and spec.enabled else None
         self.model = model
         self.config = model.config
         self.envelope = envelope
@@ -136,7 +141,8 @@ class RolloutEngine:
         self.last_stats = SpecStats()
         self.last_trace = RolloutTrace()
         self.fallback_reason: str | None = None
-        self.last_arm, self.last_num_tokens = "prefill", 0   # what the last step ran, made
+        # What the last step ran, made, and how many of its rows verified a tree.
+        self.last_arm, self.last_num_tokens, self.last_num_drafting = "prefill", 0, 0
 
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
@@ -161,10 +167,13 @@ class RolloutEngine:
             while scheduler.has_work:
                 trace.record(unfinished)
                 finished = self.step(scheduler)
-                trace.end_step(self.last_arm, self.last_num_tokens)
+                trace.end_step(self.last_arm, self.last_num_tokens, self.last_num_drafting)
                 for request in finished:
                     unfinished -= 1
                     self.proposer.on_finish(request)
+                    if self.budget is not None:
+                        self.budget.record(request.prompt_token_ids,
+                                           len(request.output_token_ids))
                     self.last_stats.merge(request.spec)
                     completion = request.to_completion(self.policy_version, self.drafter_version,
                                                        with_spec=self.spec.enabled)
@@ -217,22 +226,26 @@ class RolloutEngine:
         """Marks the end of an RL step (model-free drafters slide their rollout window)."""
         self.rl_step += 1
         self.proposer.advance_step(self.rl_step)
+        if self.budget is not None:
+            self.budget.advance_step()
 
     # ------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self, scheduler: Scheduler) -> list[Request]:
         batch = scheduler.schedule()
         if batch.phase is Phase.PREFILL:
-            self.last_arm = "prefill"
+            self.last_arm, self.last_num_drafting = "prefill", 0
             finished = self._prefill(scheduler, batch)
         else:
             finished = self._generate_step(scheduler, batch)
-        moves = scheduler.take_moves()
-        if moves:  # keep the running requests in slots 0..n-1
+        self._move(scheduler.take_moves())  # keep the running requests in slots 0..n-1
+        return finished
+
+    def _move(self, moves: list[SlotMove]) -> None:
+        if moves:
             self.runner.move(moves)
             self.proposer.move(moves)
             self.io.sampling.move(moves)
-        return finished
 
     def _prefill(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         requests, start = batch.requests, batch.slot_start
@@ -259,18 +272,35 @@ class RolloutEngine:
     def _generate_step(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """One decode or speculative step: the spec's tree, or the tuner's arm for this batch
         size, whose reward (tokens produced per second of the step) it then records."""
-        requests = batch.requests
-        cfg = self.spec
-        if self.tuner is not None and cfg.enabled:
-            cfg = self.tuner.select(len(requests))
+        cfg, num_spec = self.spec, len(batch.requests)
+        if self.budget is not None:   # the rows predicted to set the makespan, in slots 0..
+            batch, num_spec = self._put_long_first(scheduler, batch)
+        tuned = self.tuner is not None and cfg.enabled and num_spec > 0
+        if tuned:  # the tuner's bucket: the rows its arm speculates on
+            cfg = self.tuner.select(num_spec)
+        if not num_spec:
+            cfg = SpecConfig(method="none")
         start = time.perf_counter()
-        finished = (self._speculate(scheduler, batch, cfg) if cfg.enabled
+        finished = (self._speculate(scheduler, batch, cfg, num_spec) if cfg.enabled
                     else self._decode(scheduler, batch))
         elapsed = time.perf_counter() - start
         self.last_arm = arm_name(cfg)
-        if self.tuner is not None and self.spec.enabled:
-            self.tuner.record(cfg, self.last_num_tokens, len(requests), elapsed)
+        self.last_num_drafting = num_spec if cfg.enabled else 0
+        if tuned:
+            self.tuner.record(cfg, self.last_num_tokens, num_spec, elapsed)
         return finished
+
+    def _put_long_first(self, scheduler: Scheduler, batch: ScheduledBatch
+                        ) -> tuple[ScheduledBatch, int]:
+        """Length-aware budgets (spec/budget.py): the rows predicted to set the makespan move
+        to slots 0..L-1 and speculate, the others decode plainly in the same forward. L is
+        rounded up to a batch bucket (padding rows would cost the same)."""
+        assert self.budget is not None
+        first = self.budget.choose(batch.requests, self.buckets.batch_bucket)
+        if 0 < len(first) < len(batch.requests):
+            self._move(scheduler.put_first(first))
+            batch = ScheduledBatch(Phase.DECODE, list(scheduler.running))
+        return batch, len(first)
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """A plain decode step. With a drafter on device (speculation switched off for this
@@ -307,41 +337,54 @@ class RolloutEngine:
         positions = io.root_pos[:size]
         logits, hidden = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all,
                                             self.aux_layers if keep_hidden else ())
-        st = io.sampling.rows(size)
-        uniforms = None if mode is SamplingMode.GREEDY else uniform_keyed(
-            st.key(Stream.SAMPLE), (positions + 1).unsqueeze(1)).squeeze(1)
-        tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
+        tokens, logprobs = sample_next(logits, positions, io.sampling.rows(size), mode)
         if keep_hidden:  # for the capture and the drafter's commit
             io.keep_decoded(tokens, hidden)
         io.out[:size, 0] = tokens
         io.out[:size, 1] = logprobs
 
-    def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch, cfg: SpecConfig
-                   ) -> list[Request]:
-        """propose -> verify (one policy forward over every tree) -> accept -> postprocess."""
+    def _speculate(self, scheduler: Scheduler, batch: ScheduledBatch, cfg: SpecConfig,
+                   num_spec: int) -> list[Request]:
+        """propose -> verify (one policy forward over every tree) -> accept -> postprocess.
+        Rows num_spec.. (length-aware budgets) decode plainly in the same forward."""
         requests, io, proposer = batch.requests, self.io, self.proposer
-        size = self.buckets.batch_bucket(len(requests))
+        tree_requests = requests[:num_spec]
+        num_plain = len(requests) - num_spec
+        # With plain rows, num_spec is a bucket already (_put_long_first).
+        size = num_spec if num_plain else self.buckets.batch_bucket(num_spec)
+        plain_size = min(self.buckets.batch_bucket(num_plain), self.max_batch_size - size
+                         ) if num_plain else 0
         root_pos = [r.num_tokens - 1 for r in requests]
-        ctx_len = self.buckets.context_bucket(max(root_pos) + 1 + Envelope.cells_of(cfg))
+        cells = Envelope.cells_of(cfg)
+        ctx_len = self.buckets.context_bucket(max(root_pos[:num_spec]) + 1 + cells)
+        plain_ctx = self.buckets.context_bucket(max(root_pos[num_spec:]) + 1) if num_plain else 0
+        # The drafter's cell of a plain row's new token sits one past the policy's context.
+        plain_commit_ctx = self.buckets.context_bucket(max(root_pos[num_spec:]) + 2
+                                                       ) if num_plain else 0
         mode = SamplingMode.of(requests)
         width = proposer.draft_width(cfg)
-        io.load([r.last_token_id for r in requests], root_pos, size)
+        io.load([r.last_token_id for r in requests], root_pos, size + plain_size)
         assert io.drafts is not None
         if proposer.drafts_on_device:
             sampled_drafts = mode is not SamplingMode.GREEDY
             self.graphs.run(("draft", size, ctx_len, cfg.depth, cfg.topk, width, mode),
                             lambda: proposer.draft(io, size, ctx_len, cfg, mode))
-            proposer.after_draft(io, requests, cfg, size)
+            proposer.after_draft(io, tree_requests, cfg, size)
         else:
-            drafts = proposer.propose(requests, cfg)
+            drafts = proposer.propose(tree_requests, cfg)
             sampled_drafts = drafts.parent_probs is not None
             io.drafts.store(drafts, size, width)
         capture = self.hidden_sink is not None
-        stage = (size, ctx_len, width, cfg.depth, mode, sampled_drafts, capture)
+        stage = (size, ctx_len, width, cfg.depth, mode, sampled_drafts, capture, plain_size,
+                 plain_ctx)
         self.graphs.run(("verify", *stage), lambda: self._verify_stage(*stage))
-        if proposer.drafts_on_device:
+        if proposer.drafts_on_device:   # plain rows commit their one token
             self.graphs.run(("commit", size, ctx_len, cfg.depth + 1),
                             lambda: proposer.commit(io, size, ctx_len, width=cfg.depth + 1))
+            if plain_size:
+                self.graphs.run(("commit", plain_size, plain_commit_ctx, 1, size),
+                                lambda: proposer.commit(io, plain_size, plain_commit_ctx,
+                                                        width=1, start=size))
         rows = io.read_out(len(requests))
         num_before = [len(r.output_token_ids) for r in requests]
         w = io.commit_width
@@ -349,31 +392,39 @@ class RolloutEngine:
         finished = self._postprocess(
             scheduler, batch, [[int(t) for t in row[3: 3 + n]] for row, n in zip(rows, counts)],
             [row[3 + w: 3 + w + n] for row, n in zip(rows, counts)])
-        for r, row, before in zip(requests, rows, num_before):
+        for r, row, before in zip(tree_requests, rows, num_before):
             r.spec.record_row(row, w, len(r.output_token_ids) - before)
+        if self.budget is not None:
+            self.budget.observe(sum(counts[:num_spec]) / num_spec)
         if capture:
             self._capture(requests, commit_starts(requests, num_before))
         return finished
 
     def _verify_stage(self, size: int, ctx_len: int, width: int, depth: int,
-                      mode: SamplingMode, sampled_drafts: bool, capture: bool = False) -> None:
+                      mode: SamplingMode, sampled_drafts: bool, capture: bool = False,
+                      plain_size: int = 0, plain_ctx: int = 0) -> None:
+        """Rows 0..size-1 verify their trees; rows size..size+plain_size-1 (if any) take a
+        plain decode step in the same forward."""
         io = self.io
         assert io.drafts is not None
         drafts = io.drafts.view(size, width, sampled_drafts)
-        root_pos = io.root_pos[:size]
-        logits, hidden = self.runner.verify(io.root_ids[:size], root_pos, drafts, ctx_len,
-                                            self.aux_layers)
-        st = io.sampling.rows(size)
-        if mode is SamplingMode.GREEDY:
-            acc = accept_greedy(drafts, logits, depth)
+        root_ids, root_pos = io.root_ids[:size + plain_size], io.root_pos[:size + plain_size]
+        keep_hidden = self.proposer.drafts_on_device or capture
+        if plain_size:
+            (logits, hidden), (plain_logits, plain_hidden) = self.runner.verify_split(
+                root_ids, root_pos, drafts, ctx_len, plain_ctx, self.aux_layers)
+            st = io.sampling.tensors.rows(size, size + plain_size)
+            tokens, logprobs = sample_next(plain_logits, root_pos[size:], st, mode)
+            if keep_hidden:
+                io.keep_decoded(tokens, plain_hidden, start=size)
+            io.write_plain_out(tokens, logprobs, start=size)
         else:
-            nodes = torch.arange(width, device=root_pos.device)
-            node_u = uniform_keyed(st.key(Stream.VERIFY), (root_pos.unsqueeze(1) << 12) + nodes)
-            bonus_u = uniform_keyed(st.key(Stream.BONUS), root_pos.unsqueeze(1)).squeeze(1)
-            acc = accept_sampled(drafts, logits, st, node_u, bonus_u, depth, mode.needs_filter,
-                                 stop_early=self.eager_shortcuts)
-        self.runner.compact(root_pos, acc)
-        io.keep_accepted(acc, hidden, depth, with_hidden=self.proposer.drafts_on_device or capture)
+            logits, hidden = self.runner.verify(root_ids, root_pos, drafts, ctx_len,
+                                                self.aux_layers)
+        acc = accept_tree(drafts, logits, root_pos[:size], io.sampling.rows(size), depth, mode,
+                          stop_early=self.eager_shortcuts)
+        self.runner.compact(root_pos[:size], acc)
+        io.keep_accepted(acc, hidden, depth, with_hidden=keep_hidden)
         io.write_spec_out(acc, drafts, depth)
 
     def _postprocess(self, scheduler: Scheduler, batch: ScheduledBatch,
@@ -397,3 +448,4 @@ class RolloutEngine:
                       else (self.io.commit_final, self.io.commit_aux))
         emit_request_records(self.hidden_sink, requests, starts, final,
                              aux if self.capture_aux_layers else (), self.policy_version)
+

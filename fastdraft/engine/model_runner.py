@@ -13,7 +13,7 @@ from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.accept import AcceptedBatch
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
-from fastdraft.models.attn_meta import tree_mask
+from fastdraft.models.attn_meta import GroupedAttn, RowGroup, tree_mask
 from fastdraft.models.packing import pack_for_inference
 
 
@@ -80,16 +80,37 @@ class ModelRunner:
         [B, 1 + N, H]). The root sits at its position root_pos; node i at root_pos + depth(i),
         its K/V in cell root_pos + 1 + i of its own slot; each node sees its row's context and
         its own ancestors."""
-        batch, num = drafts.tokens.shape
-        ids = torch.cat([root_ids.unsqueeze(1), drafts.tokens], 1)
-        root = root_pos.unsqueeze(1)
-        pos = torch.cat([root, root + drafts.depths], 1)
-        cells = root + torch.arange(1 + num, device=root.device)
-        sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=root.device),
-                               drafts.ancestors], 1)                             # [B, 1 + N, N]
-        mask = tree_mask(root_pos, sees_tree, ctx_len)
-        return self.forward(ids, pos, self.kv(0, batch), AttnMeta(mask, cache_positions=cells),
-                            aux_layers=aux_layers)
+        ids, pos, attn = _tree_inputs(root_ids, root_pos, drafts, ctx_len)
+        return self.forward(ids, pos, self.kv(0, ids.shape[0]), attn, aux_layers=aux_layers)
+
+    def verify_split(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
+                     ctx_len: int, plain_ctx_len: int, aux_layers: tuple[int, ...] = ()
+                     ) -> tuple[tuple[torch.Tensor, HiddenStates], tuple[torch.Tensor,
+                                                                         HiddenStates]]:
+        """verify() for the first T = drafts' rows beside a plain decode step for the rest of
+        root_ids / root_pos [B] (rows T..B-1), in ONE forward whose linears see only real
+        tokens (models.GroupedAttn) -> ((logits [T, 1 + N, V], hidden [T, 1 + N, H]),
+        (logits [B - T, V], hidden [B - T, 1, H])). plain_ctx_len: a context bucket above the
+        plain rows' positions."""
+        num_tree = drafts.tokens.shape[0]
+        ids, pos, attn = _tree_inputs(root_ids[:num_tree], root_pos[:num_tree], drafts, ctx_len)
+        plain_pos = root_pos[num_tree:].unsqueeze(1)
+        num_plain = plain_pos.shape[0]
+        groups = GroupedAttn((RowGroup(num_tree, ids.shape[1], self.kv(0, num_tree), attn),
+                              RowGroup(num_plain, 1, self.kv(num_tree, num_plain),
+                                       causal_cache_meta(plain_pos, plain_ctx_len))))
+        packed_ids = torch.cat([ids.flatten(), root_ids[num_tree:]]).unsqueeze(0)
+        packed_pos = torch.cat([pos.flatten(), plain_pos.flatten()]).unsqueeze(0)
+        logits, hidden = self.forward(packed_ids, packed_pos, None, groups,
+                                      aux_layers=aux_layers)
+        split = [ids.numel(), num_plain]
+        tree_logits, plain_logits = logits[0].split(split)
+        parts = [t[0].split(split) for t in (hidden.final, *hidden.aux)]
+        tree_hidden = HiddenStates(parts[0][0].view(*ids.shape, -1),
+                                   tuple(p[0].view(*ids.shape, -1) for p in parts[1:]))
+        plain_hidden = HiddenStates(parts[0][1].unsqueeze(1),
+                                    tuple(p[1].unsqueeze(1) for p in parts[1:]))
+        return ((tree_logits.view(*ids.shape, -1), tree_hidden), (plain_logits, plain_hidden))
 
     def compact(self, root_pos: torch.Tensor, accepted: AcceptedBatch) -> None:
         """Moves the accepted nodes' K/V from their tree cells to their sequence positions
@@ -107,3 +128,16 @@ class ModelRunner:
 
     def move(self, moves: list[SlotMove]) -> None:
         move_slots(self.kv_cache, moves, slot_dim=2, cell_dim=4)
+
+
+def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
+                 ctx_len: int) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    """Token ids and positions [B, 1 + N] of [root, tree nodes] per row, and their attention."""
+    batch, num = drafts.tokens.shape
+    ids = torch.cat([root_ids.unsqueeze(1), drafts.tokens], 1)
+    root = root_pos.unsqueeze(1)
+    pos = torch.cat([root, root + drafts.depths], 1)
+    cells = root + torch.arange(1 + num, device=root.device)
+    sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=root.device),
+                           drafts.ancestors], 1)                                 # [B, 1 + N, N]
+    return ids, pos, AttnMeta(tree_mask(root_pos, sees_tree, ctx_len), cache_positions=cells)

@@ -40,8 +40,8 @@ class ScheduledBatch:
 
 
 class SlotMove(NamedTuple):
-    """A running request moved from slot src to the lower slot dst; its first num_cells cache
-    cells hold everything it has committed."""
+    """A running request moved from slot src to slot dst (a lower one when compacting, any
+    when put_first swaps); its first num_cells cache cells hold everything it has committed."""
 
     src: int
     dst: int
@@ -117,6 +117,21 @@ class Scheduler:
             keep.sort(key=lambda r: r.slot)
             self.running = keep
         return finished
+
+    def put_first(self, first: list[Request]) -> list[SlotMove]:
+        """Puts the running requests `first` in slots 0..len(first)-1 (the rows a split step
+        speculates on), swapping each misplaced one with a misplaced request of the rest; returns
+        the moves, to apply before the step (each swap is two moves, read before written)."""
+        num_first, chosen = len(first), {id(r) for r in first}
+        low = [r for r in self.running[:num_first] if id(r) not in chosen]
+        high = [r for r in self.running[num_first:] if id(r) in chosen]
+        moves = []
+        for a, b in zip(low, high, strict=True):
+            moves += [SlotMove(a.slot, b.slot, a.num_tokens), SlotMove(b.slot, a.slot,
+                                                                      b.num_tokens)]
+            a.slot, b.slot = b.slot, a.slot
+        self.running.sort(key=lambda r: r.slot)
+        return moves
 
     def take_moves(self) -> list[SlotMove]:
         """The slot moves since the last call: the engine copies each moved request's cache

@@ -14,8 +14,8 @@ from fastdraft.engine.scheduler import SlotMove
 def move_slots(tensor: torch.Tensor, moves: list[SlotMove], slot_dim: int = 0,
                cell_dim: int | None = None) -> None:
     """Copies each move's src slot to its dst slot along slot_dim (only the first num_cells
-    along cell_dim, when given). Sources are all above every destination: no copy reads a
-    slot another copy of the same call writes."""
+    along cell_dim, when given). Every source is read before any destination is written, so
+    the moves may be compactions or swaps."""
     if not moves:
         return
     src = torch.tensor([m.src for m in moves], device=tensor.device)

@@ -98,14 +98,23 @@ class StepIO:
                                 (hidden.final, *hidden.aux)):
                 dst[:size, :cols] = src.gather(1, rows.expand(-1, -1, src.shape[-1]))
 
-    def keep_decoded(self, tokens: torch.Tensor, hidden: HiddenStates) -> None:
-        """The same after a plain decode step (tokens [B], hidden [B, 1, H]): one accepted
-        column, the sampled token, so the drafter stays in step while speculation is off."""
-        size = tokens.shape[0]
-        self.accepted_ids[:size, 0] = tokens
-        self.num_accepted[:size] = 0
+    def keep_decoded(self, tokens: torch.Tensor, hidden: HiddenStates, start: int = 0) -> None:
+        """The same after a plain decode step of rows start.. (tokens [B], hidden [B, 1, H]):
+        one accepted column, the sampled token, so the drafter stays in step while speculation
+        is off."""
+        rows = slice(start, start + tokens.shape[0])
+        self.accepted_ids[rows, 0] = tokens
+        self.num_accepted[rows] = 0
         for dst, src in zip((self.commit_final, *self.commit_aux), (hidden.final, *hidden.aux)):
-            dst[:size, :1] = src
+            dst[rows, :1] = src
+
+    def write_plain_out(self, tokens: torch.Tensor, logprobs: torch.Tensor, start: int) -> None:
+        """Plain rows start.. of a split step, in write_spec_out's layout: nothing accepted
+        from a tree, the sampled token as the bonus."""
+        out = self.out[start: start + tokens.shape[0]]
+        out.zero_()
+        out[:, 3] = tokens
+        out[:, 3 + self.commit_width] = logprobs
 
     def write_spec_out(self, acc: AcceptedBatch, drafts: DraftBatch, depth: int) -> None:
         """The step's one transfer: [num_accepted, num_nodes, tree depth, tokens, logprobs,

@@ -14,15 +14,17 @@ class RolloutTrace:
     active: list[int] = field(default_factory=list)      # requests unfinished at that start
     arms: list[str] = field(default_factory=list)        # what each step ran (tuner arm names)
     tokens: list[int] = field(default_factory=list)      # tokens each step produced
+    drafting: list[int] = field(default_factory=list)    # rows that verified a tree
     end: float = 0.0
 
     def record(self, num_active: int) -> None:
         self.times.append(time.perf_counter())
         self.active.append(num_active)
 
-    def end_step(self, arm: str, num_tokens: int) -> None:
+    def end_step(self, arm: str, num_tokens: int, num_drafting: int = 0) -> None:
         self.arms.append(arm)
         self.tokens.append(num_tokens)
+        self.drafting.append(num_drafting)
 
     def finish(self) -> None:
         self.end = time.perf_counter()
@@ -47,3 +49,10 @@ class RolloutTrace:
         """Share of the decoding steps (prefills aside) that speculated."""
         steps = [a for a in self.arms if a != "prefill"]
         return sum(a != "off" for a in steps) / len(steps) if steps else 0.0
+
+    @property
+    def drafting_row_fraction(self) -> float:
+        """Share of the decoding rows (request-steps) that verified a tree: below the
+        speculating steps' rows when length-aware budgets left some rows plain."""
+        rows = sum(n for a, n in zip(self.arms, self.active) if a != "prefill")
+        return sum(self.drafting) / rows if rows else 0.0

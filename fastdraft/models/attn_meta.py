@@ -64,6 +64,34 @@ class AttnMeta:
         return replace(self, bias=bias.masked_fill_(~self.mask, float("-inf")).unsqueeze(1))
 
 
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """Rows of one width inside a packed forward: `num_rows` rows of `width` tokens each, row
+    b in cache slot kv.slot_start + b, attending as `attn` says ([num_rows, width, ctx_len])."""
+
+    num_rows: int
+    width: int
+    kv: KVView
+    attn: AttnMeta
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows * self.width
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedAttn:
+    """A ragged forward: groups of rows with different widths (draft-tree rows beside one-token
+    decode rows) packed into one sequence [1, sum of num_tokens], in group order. The linears
+    run once over the real tokens; attention runs per group, each padded only to its own width
+    and context (a step's cost then follows its real tokens, not its widest row)."""
+
+    groups: tuple[RowGroup, ...]
+
+    def with_bias(self, dtype: torch.dtype) -> GroupedAttn:
+        return GroupedAttn(tuple(replace(g, attn=g.attn.with_bias(dtype)) for g in self.groups))
+
+
 def causal_cache_meta(positions: torch.Tensor, ctx_len: int) -> AttnMeta:
     """Plain prefill/decode: the token at position p sees cells 0..p of its own slot.
     positions: [B, T]; ctx_len: cells read (a bucket >= every row's last position + 1)."""

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fastdraft.models.attn_meta import AttnMeta, KVView
+from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
 from fastdraft.models.rope import RotaryEmbedding
@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv: KVView | None = None, attn: AttnMeta | None = None, *,
+                kv: KVView | None = None, attn: AttnMeta | GroupedAttn | None = None, *,
                 logit_index: torch.Tensor | None = None,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
         """input_ids, positions: [B, T] -> (logits, hidden).

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdraft.models.attn_meta import AttnMeta, KVView
+from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.packing import pack_linears
 from fastdraft.models.rope import RopeTable, rotate
@@ -67,10 +67,13 @@ class Attention(nn.Module):
         return rotate(q, rope), rotate(k, rope), v
 
     def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
-                attn: AttnMeta | None) -> torch.Tensor:
-        """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]."""
+                attn: AttnMeta | GroupedAttn | None) -> torch.Tensor:
+        """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]
+        (GroupedAttn: B = 1, the groups' rows packed along T; each group brings its own KV)."""
         bsz, seq_len, _ = x.shape
         q, k, v = self._qkv(x, rope)
+        if isinstance(attn, GroupedAttn):
+            return self.o_proj(self._grouped(q, k, v, attn))
         if attn is None:
             mask = None
         else:
@@ -85,6 +88,23 @@ class Attention(nn.Module):
             q.transpose(1, 2), keys, values,
             attn_mask=mask, is_causal=attn is None, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 attn: GroupedAttn) -> torch.Tensor:
+        """q [1, N, Hq, D], k and v [1, N, Hkv, D] packed by group -> attention out [1, N,
+        Hq * D]: each group's tokens as [rows, width] against its rows' caches."""
+        outs, start = [], 0
+        for group in attn.groups:
+            rows, width, end = group.num_rows, group.width, start + group.num_tokens
+            qg, kg, vg = (t[0, start:end].unflatten(0, (rows, width)) for t in (q, k, v))
+            keys, values = _write_and_read(group.kv, self.layer_idx, kg, vg, group.attn)
+            mask = group.attn.bias if group.attn.bias is not None else (
+                None if group.attn.mask is None else group.attn.mask.unsqueeze(1))
+            out = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            outs.append(out.transpose(1, 2).reshape(1, group.num_tokens, -1))
+            start = end
+        return torch.cat(outs, 1)
 
 
 def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
@@ -135,7 +155,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
-                attn: AttnMeta | None,
+                attn: AttnMeta | GroupedAttn | None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, attn_input_size]; residual defaults to x (differs when x is a concat)."""
         residual = x if residual is None else residual

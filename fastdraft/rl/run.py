@@ -59,7 +59,8 @@ class Run:
             max_seq_len=max_seq_len, drafter=resolve_drafter(cfg, self.policy_dir),
             spec=cfg.rollout.spec, compile=cfg.rollout.compile, graphs=cfg.rollout.graphs,
             tuner=cfg.rollout.tuner.build(cfg.rollout.spec, cfg.seed, cfg.rollout.max_batch_size)
-            if cfg.rollout.tuner.enabled else None)
+            if cfg.rollout.tuner.enabled else None,
+            budget=cfg.rollout.budget.build() if cfg.rollout.budget.enabled else None)
         # The actor scores every position the engine can sample at (its rotary table too).
         self.actor = Actor(load_model(self.policy_dir, device, dtype, max_seq_len), cfg.actor,
                            cfg.algorithm.num_steps)
@@ -83,6 +84,8 @@ class Run:
                 trainer_state = loaded.drafter.get("trainer")
             if self.engine.tuner is not None and "tuner" in loaded.extra:
                 self.engine.tuner.load_state_dict(loaded.extra["tuner"])
+            if self.engine.budget is not None and "budget" in loaded.extra:
+                self.engine.budget.load_state_dict(loaded.extra["budget"])
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
@@ -123,8 +126,13 @@ class Run:
         self.checkpoints.save(step, TrainState(
             model=self.actor.unwrapped(), optimizer=self.actor.optimizer.state_dict(),
             step=step, config=config_dict(self.cfg), drafter=self._drafter_state(),
-            extra={} if self.engine.tuner is None else {"tuner": self.engine.tuner.state_dict()}))
+            extra=self._engine_state()))
         self.last_checkpoint_s = time.perf_counter() - start
+
+    def _engine_state(self) -> dict[str, Any]:
+        """What the engine learned by measuring (tuner rewards, answer-length history)."""
+        parts = {"tuner": self.engine.tuner, "budget": self.engine.budget}
+        return {name: part.state_dict() for name, part in parts.items() if part is not None}
 
     def _drafter_state(self) -> dict[str, Any] | None:
         """The engine's drafter (trainable tensors) and version: what --resume puts back."""

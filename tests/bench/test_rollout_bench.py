@@ -28,6 +28,21 @@ def test_rollout_bench_reports_every_key(char_policy, char_drafter, tmp_path):
     assert (tmp_path / "runs" / "rollout_bench.png").stat().st_size > 0
     assert json.loads((tmp_path / "r.json").read_text())["best_static_name"]
     assert all(isinstance(line, str) and line for line in summary_lines(out))
+    assert "budget_on_vs_off" not in out
+
+
+def test_rollout_bench_measures_budgets_on_and_off(char_policy, char_drafter, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {char_drafter}\n"
+                      "rollout:\n  prompts_per_step: 4\n  group_size: 4\n  max_new_tokens: 12\n"
+                      "  max_batch_size: 16\n  spec:\n    method: eagle\n    depth: 3\n"
+                      "    topk: 2\n    tokens_to_verify: 4\n  budget:\n    enabled: true\n")
+    out = run_rollout_bench(recipe, [], tmp_path / "runs", None, rounds=1)
+    assert set(out["contenders"]) >= {"adaptive", "adaptive_no_budget", "eagle/3/2/4+budget"}
+    assert out["budget_on_vs_off"] > 0 and out["static_budget_on_vs_off"] > 0
+    # Round 0 is the history: the budgeted contenders draft on fewer rows than they run.
+    assert out["contenders"]["adaptive_no_budget"]["drafting_row_fraction"] > 0
+    assert any("budgets on / off" in line for line in summary_lines(out))
 
 
 def _trace(steps: list[tuple[int, str, int, float]]) -> RolloutTrace:

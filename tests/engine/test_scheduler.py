@@ -38,6 +38,23 @@ def test_finished_requests_leave_the_running_batch_dense():
     assert sched.take_moves() == [] and [r.slot for r in sched.running] == [0, 1]
 
 
+def test_put_first_swaps_the_chosen_requests_into_the_lowest_slots():
+    """A split step's speculating rows go first: each chosen request above the cut swaps with
+    an unchosen one below it (two moves per swap), those already in place stay."""
+    sched = Scheduler(num_slots=6, max_prefill_tokens=1000)
+    reqs = [_req(i, prompt_len=2 + i) for i in range(6)]
+    for r in reqs:
+        sched.add(r)
+    sched.schedule()
+    moves = sched.put_first([reqs[5], reqs[1], reqs[3]])
+    assert sorted(moves) == sorted([SlotMove(0, 3, 2), SlotMove(3, 0, 5),
+                                    SlotMove(2, 5, 4), SlotMove(5, 2, 7)])
+    assert {r.index for r in sched.running[:3]} == {1, 3, 5}
+    assert [r.slot for r in sched.running] == list(range(6))
+    assert sched.put_first([reqs[5], reqs[1], reqs[3]]) == []   # already first
+    assert sched.take_moves() == []                 # applied by the caller, not queued
+
+
 def test_prefill_then_decode_and_refill_freed_slots():
     sched = Scheduler(num_slots=2, max_prefill_tokens=1000)
     reqs = [_req(0, max_new=1), _req(1, max_new=3), _req(2, max_new=2)]

@@ -96,20 +96,22 @@ class EagleProposer(Proposer):
                            AttnMeta(causal_pairs_mask(pos, width + 1), cache_positions=pos))
         self._set_roots(slice(slot_start, slot_start + len(requests)), out[rows, last])
 
-    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
-        """The drafter over the accepted tokens + bonus of every row (padding past each row's
-        count writes cells the next step overwrites); each row's last features become the root of
-        its next tree (logits are left to draft()).
+    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None,
+               start: int = 0) -> None:
+        """The drafter over the accepted tokens + bonus of rows start..start+batch-1 (padding
+        past each row's count writes cells the next step overwrites); each row's last features
+        become the root of its next tree (logits are left to draft()).
         width: accepted columns to run (1 after a plain decode step; default all)."""
         width = width or io.commit_width
-        root_pos = io.root_pos[:batch]
+        rows = slice(start, start + batch)
+        root_pos = io.root_pos[rows]
         pos = root_pos.unsqueeze(1) + 1 + torch.arange(width, device=self.device)
         feats = self.drafter.target_features(HiddenStates(
-            io.commit_final[:batch, :width], tuple(a[:batch, :width] for a in io.commit_aux)))
-        out = self.advance(feats, io.accepted_ids[:batch, :width], pos, self.kv(),
+            io.commit_final[rows, :width], tuple(a[rows, :width] for a in io.commit_aux)))
+        out = self.advance(feats, io.accepted_ids[rows, :width], pos, self.kv(start),
                            AttnMeta(causal_pairs_mask(pos, ctx_len), cache_positions=pos))
-        last = io.num_accepted[:batch].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
-        self._set_roots(slice(0, batch), out.gather(1, last).squeeze(1))
+        last = io.num_accepted[rows].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        self._set_roots(rows, out.gather(1, last).squeeze(1))
 
     def _set_roots(self, slots: slice, features: torch.Tensor) -> None:
         # Only features: their logits are computed when a tree is drafted from them, so a

@@ -85,8 +85,9 @@ class MergedProposer(Proposer):
     def on_tokens(self, request: Request, new_token_ids: list[int]) -> None:
         self.suffix.on_tokens(request, new_token_ids)
 
-    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
-        self.eagle.commit(io, batch, ctx_len, width)
+    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None,
+               start: int = 0) -> None:
+        self.eagle.commit(io, batch, ctx_len, width, start)
 
     def on_finish(self, request: Request) -> None:
         self.suffix.on_finish(request)

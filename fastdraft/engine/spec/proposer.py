@@ -60,9 +60,11 @@ class Proposer:
         """Device proposers: host work after the draft stage, outside any captured graph
         (a multi-source proposer grafts host-built candidates into io.drafts here)."""
 
-    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None) -> None:
-        """Device proposers: a captured stage after verify (io.accepted_ids, io.num_accepted,
-        io.commit_final / commit_aux hold what the policy accepted and its hidden states)."""
+    def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None,
+               start: int = 0) -> None:
+        """Device proposers: a captured stage after verify over rows start..start+batch-1
+        (io.accepted_ids, io.num_accepted, io.commit_final / commit_aux hold what the policy
+        accepted and its hidden states)."""
 
     def on_finish(self, request: Request) -> None:
         """Called once when a request finishes (frees per-request state)."""
