@@ -55,6 +55,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     run.drafter.end_update()
     timer.lap("update")
     run.engine.load_weights(run.actor.named_parameters())
+    run.engine.advance_step()   # model-free drafters slide their window, budgets their history
     rollout_metrics = run.rollout_metrics(completions, rewards)
     drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(
         "rollout/accept_length"))   # health check, then the new drafter into the engine

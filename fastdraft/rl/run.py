@@ -78,6 +78,7 @@ class Run:
             loaded = self.checkpoints.load(latest, self.actor.unwrapped(), self.actor.optimizer)
             self.start_step = self.actor.step = loaded.step
             self.engine.load_weights(self.actor.named_parameters(), version=loaded.step)
+            self.engine.rl_step = loaded.step
             if loaded.drafter is not None:   # the drafter the run had trained online
                 self.engine.load_drafter_weights(list(loaded.drafter["tensors"].items()),
                                                  version=int(loaded.drafter["version"]))

@@ -88,7 +88,7 @@ def test_the_actor_scores_positions_beyond_the_checkpoints_trained_length(char_p
 def test_an_adaptive_run_logs_its_speculation_share_and_resumes_the_tuner(char_policy,
                                                                             tmp_path):
     tuned = ["rollout.spec.method=suffix", "rollout.tuner.enabled=true",
-             "rollout.tuner.elastic_threshold=4"]
+             "rollout.tuner.elastic_threshold=4", "rollout.budget.enabled=true"]
     run = Run(_cfg(char_policy, *tuned, "algorithm.num_steps=2"), tmp_path / "run")
     train(run)
     rows = read_metrics(tmp_path / "run")
@@ -98,6 +98,11 @@ def test_an_adaptive_run_logs_its_speculation_share_and_resumes_the_tuner(char_p
     resumed = Run(_cfg(char_policy, *tuned, "algorithm.num_steps=3"), tmp_path / "run",
                   resume=True)
     assert resumed.engine.tuner.state_dict() == saved
+    # The answer-length history of length-aware budgets resumes too.
+    history = run.engine.budget.state_dict()
+    assert len(history["history"]) == 2 * 3 * 4   # two steps' answers: 3 prompts x 4
+    assert history["step"] == 2 and resumed.engine.rl_step == 2
+    assert resumed.engine.budget.state_dict() == history
 
 
 def test_an_evaluation_rollout_feeds_no_hook(char_policy, tmp_path):
@@ -112,3 +117,14 @@ def test_an_evaluation_rollout_feeds_no_hook(char_policy, tmp_path):
     assert seen == []
     rollout(run, 5, prompts)
     assert len(seen) == 2 * run.cfg.rollout.group_size
+
+
+def test_the_suffix_drafters_window_slides_with_the_rl_steps(char_policy, tmp_path):
+    """Every step ends with engine.advance_step(): the suffix drafter keeps the rollouts of its
+    last window_steps steps (4) and the current one, not every rollout of a run that lasts
+    days."""
+    run = Run(_cfg(char_policy, "rollout.spec.method=suffix", "algorithm.num_steps=6",
+                   "checkpoint.every=100"), tmp_path / "run")
+    train(run)
+    assert run.engine.rl_step == 6
+    assert 0 < run.engine.proposer.drafter.num_prompts <= 4 * 3   # steps 2..5, 3 prompts each
