@@ -41,8 +41,8 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
         run_dir = out_dir / name
         shutil.rmtree(run_dir, ignore_errors=True)
         # Off: plain decoding, so no drafter to train either.
-        off = (["drafter.online.enabled=false", "rollout.tuner.enabled=false"]
-               if method == "none" else [])
+        off = (["drafter.online.enabled=false", "rollout.tuner.enabled=false",
+                "rollout.budget.enabled=false"] if method == "none" else [])
         cfg = load_recipe(recipe, [*overrides, *quiet, f"rollout.spec.method={method}", *off])
         runs[name] = Run(cfg, run_dir, cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}

@@ -12,7 +12,9 @@ def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
     recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\nrollout:\n  prompts_per_step: 2\n"
                       "  group_size: 4\n  max_new_tokens: 8\n  max_batch_size: 8\n  spec:\n"
                       "    method: suffix\nalgorithm:\n  num_steps: 2\n")
-    out = run_recipe_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "b.json",
+    out = run_recipe_bench(recipe, ["actor.lr=1e-3", "rollout.tuner.enabled=true",
+                                    "rollout.budget.enabled=true"],
+                           tmp_path / "runs", tmp_path / "b.json",
                            law_seeds=3)
     assert out["rollout_time_ratio"] > 0 and out["step_time_ratio"] > 0
     for name in ("off", "on"):
