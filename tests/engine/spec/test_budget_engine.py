@@ -136,3 +136,49 @@ def test_split_steps_keep_the_drafter_cache_in_step(tiny_checkpoint, random_draf
         theirs = fresh.proposer.k[0][0, :, cells]
         assert any(torch.allclose(engine.proposer.k[0][slot, :, cells], theirs, rtol=1e-4,
                                   atol=1e-5) for slot in range(len(prompts)))
+
+
+@pytest.mark.parametrize("kind", ["greedy", "mixed"])
+def test_split_steps_read_nothing_back_inside_a_step(tiny_checkpoint, random_drafter,
+                                                     random_split, monkeypatch, kind):
+    """The path captured graphs run: a split step (slot swaps, a packed verify, two commits)
+    syncs with the host nowhere, and reads its results back once."""
+    from tests.engine.test_static_steps import _params, counting_syncs
+    from tests.engine.test_static_steps import _prompts as mixed_prompts
+    path, _ = tiny_checkpoint
+    engine = RolloutEngine(path, max_batch_size=4, max_seq_len=64,
+                           spec=SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6),
+                           drafter=random_drafter, budget=BudgetConfig())
+    engine.eager_shortcuts = False
+    steps = []
+    for name in ("_decode", "_speculate"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name,
+                            lambda *args, real=real: steps.append(1) or real(*args))
+    prompts = mixed_prompts()
+    with counting_syncs(engine, monkeypatch) as (counter, transfers):
+        engine.generate(prompts, _params(kind, len(prompts)))
+    assert counter.syncs == []
+    assert len(transfers) == len(steps) > 0 and random_split["split"] > 3
+
+
+def test_split_steps_padded_to_coarse_buckets_change_no_output(tiny_checkpoint, random_drafter,
+                                                               random_split):
+    """Graph buckets (batch 2 / 8): the drafting rows grow to a bucket, the plain rows are
+    padded with free slots; still plain greedy token for token."""
+    from fastdraft.engine.buckets import BucketPlan
+    from fastdraft.engine.envelope import Envelope
+    path, _ = tiny_checkpoint
+    prompts = _prompts(11, seed=9)
+    params = SamplingParams(greedy=True, max_new_tokens=20)
+    plain = RolloutEngine(path, max_batch_size=8, max_seq_len=64).generate(prompts, params)
+    cache_len = Envelope.for_spec(64, SPEC).cache_len
+    engine = RolloutEngine(path, max_batch_size=8, max_seq_len=64, spec=SPEC,
+                           drafter=random_drafter, budget=BudgetConfig(),
+                           buckets=BucketPlan(batch_sizes=(2, 8),
+                                              context_lens=(16, 48, cache_len)))
+    outs = engine.generate(prompts, params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    trace = engine.last_trace
+    assert any(0 < n < a for n, a, arm in zip(trace.drafting, trace.active, trace.arms)
+               if arm != "prefill")
