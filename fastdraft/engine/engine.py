@@ -349,18 +349,9 @@ class RolloutEngine:
         Rows num_spec.. (length-aware budgets) decode plainly in the same forward."""
         requests, io, proposer = batch.requests, self.io, self.proposer
         tree_requests = requests[:num_spec]
-        num_plain = len(requests) - num_spec
-        # With plain rows, num_spec is a bucket already (_put_long_first).
-        size = num_spec if num_plain else self.buckets.batch_bucket(num_spec)
-        plain_size = min(self.buckets.batch_bucket(num_plain), self.max_batch_size - size
-                         ) if num_plain else 0
         root_pos = [r.num_tokens - 1 for r in requests]
-        cells = Envelope.cells_of(cfg)
-        ctx_len = self.buckets.context_bucket(max(root_pos[:num_spec]) + 1 + cells)
-        plain_ctx = self.buckets.context_bucket(max(root_pos[num_spec:]) + 1) if num_plain else 0
-        # The drafter's cell of a plain row's new token sits one past the policy's context.
-        plain_commit_ctx = self.buckets.context_bucket(max(root_pos[num_spec:]) + 2
-                                                       ) if num_plain else 0
+        size, plain_size, ctx_len, plain_ctx, plain_commit_ctx = self._split_shape(
+            root_pos, num_spec, cfg)
         mode = SamplingMode.of(requests)
         width = proposer.draft_width(cfg)
         io.load([r.last_token_id for r in requests], root_pos, size + plain_size)
@@ -399,6 +390,23 @@ class RolloutEngine:
         if capture:
             self._capture(requests, commit_starts(requests, num_before))
         return finished
+
+    def _split_shape(self, root_pos: list[int], num_spec: int, cfg: SpecConfig
+                     ) -> tuple[int, int, int, int, int]:
+        """Padded sizes of a step whose first num_spec rows verify trees: (tree rows, plain
+        rows, tree context, plain context, plain rows' drafter-commit context). With plain
+        rows, num_spec is a bucket already (_put_long_first); theirs pads with free slots."""
+        num_plain = len(root_pos) - num_spec
+        tree_ctx = self.buckets.context_bucket(max(root_pos[:num_spec]) + 1
+                                               + Envelope.cells_of(cfg))
+        if not num_plain:
+            return self.buckets.batch_bucket(num_spec), 0, tree_ctx, 0, 0
+        last = max(root_pos[num_spec:])
+        # The drafter's cell of a plain row's new token sits one past the policy's context.
+        return (num_spec, min(self.buckets.batch_bucket(num_plain),
+                              self.max_batch_size - num_spec),
+                tree_ctx, self.buckets.context_bucket(last + 1),
+                self.buckets.context_bucket(last + 2))
 
     def _verify_stage(self, size: int, ctx_len: int, width: int, depth: int,
                       mode: SamplingMode, sampled_drafts: bool, capture: bool = False,
