@@ -67,6 +67,30 @@ def test_cuda_graphs_with_an_arm_switch_every_step_equal_plain_greedy(tiny_check
     assert engine.graphs.stats.num_graphs > 0 and "off" in engine.last_trace.arms
 
 
+def test_cuda_graphs_with_split_steps_equal_plain_greedy(tiny_checkpoint, random_drafter,
+                                                         monkeypatch):
+    """Length-aware budgets as graphs: a random split every step (drafting rows swapped to the
+    lowest slots, a packed verify beside plain rows, two drafter commits)."""
+    import random
+
+    from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
+    rng = random.Random(5)
+    monkeypatch.setattr(LengthBudget, "speculating",
+                        lambda self, remaining: [rng.random() < 0.5 for _ in remaining])
+    path, _ = tiny_checkpoint
+    params = SamplingParams(greedy=True, max_new_tokens=24)
+    plain = _engine(path, graphs=False).generate(_prompts(), params)
+    engine = RolloutEngine(path, device="cuda", dtype=torch.float32, max_batch_size=4,
+                           max_seq_len=128, drafter=random_drafter, budget=BudgetConfig(),
+                           spec=SpecConfig(method="eagle", depth=4, topk=2, tokens_to_verify=8))
+    outs = engine.generate(_prompts(), params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    trace = engine.last_trace
+    assert engine.graphs.stats.num_graphs > 0 and any(
+        0 < n < a for n, a, arm in zip(trace.drafting, trace.active, trace.arms)
+        if arm != "prefill")
+
+
 @pytest.mark.parametrize("spec", [None, SpecConfig(method="eagle", depth=4, topk=2,
                                                    tokens_to_verify=8),
                                   SpecConfig(method="eagle+suffix", depth=4, topk=2,
