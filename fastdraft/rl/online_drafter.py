@@ -140,7 +140,8 @@ def health_check(engine: RolloutEngine, history: list[float], accept_length: flo
     COLLAPSED_ACCEPT_LENGTH the engine falls back to plain decoding (True): a broken drafter
     (zeroed, misloaded, or for another policy) must never make rollouts slower than plain."""
     history.append(accept_length)
-    recent = history[-HEALTH_WINDOW:]
+    del history[:-HEALTH_WINDOW]   # all the check reads: a run of days keeps no more
+    recent = history
     if len(recent) < HEALTH_WINDOW or max(recent) > COLLAPSED_ACCEPT_LENGTH:
         return False
     engine.fall_back_to_plain(f"accept length {[round(a, 3) for a in recent]} <= "

@@ -50,6 +50,9 @@ class Published:
     tensors: list[tuple[str, torch.Tensor]]   # trainable tensors only, host copies
 
 
+MAX_LATENCIES = 1000   # preemption latencies kept (the most recent)
+
+
 @dataclass(slots=True)
 class SpotStats:
     steps: int = 0
@@ -117,7 +120,10 @@ class SpotTrainer:
         """stop_time: time.perf_counter() when the stop was asked for (CLOCK_MONOTONIC: one
         clock for every process of the machine)."""
         self.stats.preemptions += 1
-        self.stats.preemption_latencies_s.append(max(time.perf_counter() - stop_time, 0.0))
+        latencies = self.stats.preemption_latencies_s
+        latencies.append(max(time.perf_counter() - stop_time, 0.0))
+        # The stats cross to the loop at every publish: a run of days keeps the recent ones.
+        del latencies[:-MAX_LATENCIES]
 
     def step(self) -> bool:
         """One micro-step; False when the buffer has nothing to train on."""

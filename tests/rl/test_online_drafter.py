@@ -94,3 +94,16 @@ def test_a_drafter_whose_checksum_does_not_match_is_not_loaded(char_policy, char
     assert engine.drafter_version == 0
     assert tensor_digest(trainable_named_tensors(engine.proposer.drafter)) == good
     assert engine.load_drafter_weights(tensors, version=1, checksum=good) == 1
+
+
+def test_the_health_check_keeps_only_its_window(char_policy, char_drafter):
+    """A healthy drafter over thousands of steps: no fallback, and the history stays bounded."""
+    from fastdraft.rl.online_drafter import HEALTH_WINDOW, health_check
+    engine = _eagle_engine(char_policy, char_drafter)
+    history: list[float] = []
+    for step in range(5000):
+        assert not health_check(engine, history, 3.0 + step % 2)
+    assert len(history) == HEALTH_WINDOW and engine.spec.method == "eagle"
+    for _ in range(HEALTH_WINDOW):   # then it collapses: detected within the window
+        fell_back = health_check(engine, history, 1.0)
+    assert fell_back and engine.spec.method == "none"

@@ -14,7 +14,13 @@ import torch
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter import build_drafter
 from fastdraft.models import load_model
-from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent
+from fastdraft.trainer.spot import (
+    MAX_LATENCIES,
+    PolicyHead,
+    SpotConfig,
+    SpotTrainer,
+    StopEvent,
+)
 from fastdraft.trainer.worker import SpotWorker, WorkerSetup
 from fastdraft.utils.digest import tensor_digest
 
@@ -62,6 +68,16 @@ def test_run_returns_within_one_micro_step_of_stop_and_publishes_checksummed(tin
     assert after.checksum == tensor_digest(after.tensors) != before.checksum
     assert {n for n, _ in after.tensors} == {n for n, _ in drafter.named_parameters()}
     assert trainer.stats.last["top1_acc"] <= trainer.stats.last["top3_acc"]
+
+
+def test_a_run_of_days_keeps_the_recent_preemption_latencies(tiny_checkpoint):
+    """The stats cross to the loop at every publish: they must not grow with the run."""
+    policy, drafter = _setup(tiny_checkpoint)
+    trainer = SpotTrainer(drafter, PolicyHead.of(policy), DataBuffer(1024))
+    for _ in range(MAX_LATENCIES + 50):
+        trainer.record_preemption(time.perf_counter())
+    assert trainer.stats.preemptions == MAX_LATENCIES + 50
+    assert len(trainer.stats.preemption_latencies_s) == MAX_LATENCIES
 
 
 def test_an_empty_buffer_ends_run_at_once(tiny_checkpoint):
