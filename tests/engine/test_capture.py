@@ -30,12 +30,21 @@ def _engine(path, method: str, drafter, **kw) -> RolloutEngine:
                          drafter=drafter if method == "eagle" else None, **kw)
 
 
-@pytest.mark.parametrize("method", ["none", "eagle", "suffix"])
+@pytest.mark.parametrize("method", ["none", "eagle", "suffix", "eagle+budget"])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_records_pair_every_committed_token_with_the_hidden_state_before_it(
-        tiny_checkpoint, random_drafter, method, greedy):
+        tiny_checkpoint, random_drafter, monkeypatch, method, greedy):
+    """eagle+budget: length-aware budgets with a random split every step (plain rows beside
+    tree rows in one forward, slots swapped)."""
     path, _ = tiny_checkpoint
-    engine = _engine(path, method, random_drafter, capture_aux_layers=AUX)
+    kw = {}
+    if method == "eagle+budget":
+        from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
+        rng = random.Random(2)
+        monkeypatch.setattr(LengthBudget, "speculating",
+                            lambda self, remaining: [rng.random() < 0.5 for _ in remaining])
+        method, kw = "eagle", {"budget": BudgetConfig()}
+    engine = _engine(path, method, random_drafter, capture_aux_layers=AUX, **kw)
     prompts = _prompts(7, seed=3)
     # EOS (id 1) ends some answers early, max_new_tokens the others; 7 prompts over 4 slots.
     params = [SamplingParams(greedy=greedy, temperature=1.0, seed=i,
@@ -64,6 +73,10 @@ def test_records_pair_every_committed_token_with_the_hidden_state_before_it(
                                        ref.aux[i][0], atol=2e-2, rtol=2e-2)
     if method != "none":
         assert sum(c.spec.num_accepted for c in outs) > 0  # verify paths with accepted nodes
+    if kw:   # split steps ran
+        trace = engine.last_trace
+        assert any(0 < n < a for n, a, arm in zip(trace.drafting, trace.active, trace.arms)
+                   if arm != "prefill")
 
 
 def test_capture_changes_no_output_and_costs_nothing_when_off(tiny_checkpoint, random_drafter):
