@@ -114,7 +114,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen2.5-7b",
                    help="gpu: a real model shape with random weights (bench/real_shapes.py)")
     p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
-    p.add_argument("--parts", default="generate,decode,cycle,memory",
+    p.add_argument("--parts", default="generate,decode,cycle,memory,rows",
                    help="gpu: which measurements to run")
 
 

@@ -8,7 +8,9 @@ download), side by side in one run:
   in decode steps, with the full vocabulary and a 32k draft vocabulary, and the speedup it
   gives at accept lengths 3, 5, 7 (accept length / cycle cost);
 - graph memory and capture time: one shared pool with identical shapes merged across
-  speculation strategies vs one pool per strategy.
+  speculation strategies vs one pool per strategy;
+- `rows`: a row-step's and a drafted token's cost at batch 64 / 256 (bench/row_costs.py): the
+  accept length below which length-aware budgets' plain rows are cheaper than trees.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import torch
 
 from fastdraft.bench.common import device_name, print_table, write_json
 from fastdraft.bench.real_shapes import random_drafter, random_policy
+from fastdraft.bench.row_costs import row_costs, summary_line
 from fastdraft.bench.step_costs import stage_costs
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
+from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.scheduler import Scheduler
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
@@ -297,6 +301,19 @@ def _memory_rows(cfg: GpuBenchConfig, policy: Any) -> dict[str, Any]:
     return out
 
 
+def _row_cost_rows(cfg: GpuBenchConfig, policy: Any, context: int = 1024, width: int = 12,
+                   batches: tuple[int, ...] = (64, 256)) -> list[dict[str, Any]]:
+    """Unit costs of a split step at real size (eager forwards, as the runner runs them)."""
+    spec = SpecConfig(method="eagle", depth=6, topk=3, tokens_to_verify=width)
+    runner = ModelRunner(policy, Envelope.for_spec(context + 64, spec), max(batches))
+    rows = [row_costs(runner, b, context, width, b // 3, cfg.repeats * 3) for b in batches]
+    for row in rows:
+        print(summary_line(row))
+    del runner
+    _release_cached()
+    return rows
+
+
 def run_gpu_bench(cfg: GpuBenchConfig, json_path: str | Path | None = None,
                   parts: tuple[str, ...] = ("decode", "generate", "cycle", "memory")
                   ) -> dict[str, Any]:
@@ -336,6 +353,9 @@ def run_gpu_bench(cfg: GpuBenchConfig, json_path: str | Path | None = None,
     if "memory" in parts:
         payload["graph_memory"] = _memory_rows(cfg, policy)
         done("memory")
+    if "rows" in parts:
+        payload["row_costs"] = _row_cost_rows(cfg, policy)
+        done("rows")
     payload["bench_s"] = time.perf_counter() - started
     done("bench")
     return payload

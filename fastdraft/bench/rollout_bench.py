@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fastdraft.bench.common import write_json
+from fastdraft.bench.row_costs import row_costs
+from fastdraft.bench.row_costs import summary_line as row_summary
 from fastdraft.config import load_recipe
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
@@ -118,6 +120,9 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
     payload["oracle_vs_none"] = payload["oracle_s"] / total["none"]
     if budget is not None:
         payload["budget"] = {"window": budget.window, "margin": budget.margin}
+        payload["row_costs"] = _row_costs(engines["adaptive"], len(prompts), prompts,
+                                          cfg.rollout.max_new_tokens,
+                                          payload["contenders"]["adaptive"])
         payload["budget_on_vs_off"] = total["adaptive"] / total[BUDGET_OFF]
         payload["static_budget_on_vs_off"] = (total[budgeted] / total[arm_name(spec)]
                                               if arm_name(spec) in total else None)
@@ -129,6 +134,18 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
 
 
 BUDGET_OFF = "adaptive_no_budget"
+
+
+def _row_costs(engine: RolloutEngine, num_requests: int, prompts: list[list[int]],
+               max_new_tokens: int, adaptive: dict[str, Any]) -> dict[str, Any]:
+    """Why budgets pay or not here: the unit costs of this policy's forwards at the batch's
+    size, at a mid-rollout context, with the drafting share the budgets had."""
+    batch = min(num_requests, engine.max_batch_size)
+    width = engine.proposer.draft_width(engine.spec)
+    mean_prompt = sum(map(len, prompts)) // len(prompts)
+    context = min(mean_prompt + max_new_tokens // 4, engine.envelope.cache_len - width - 3)
+    tree_rows = min(max(round(batch * adaptive["drafting_row_fraction"]), 1), batch - 1)
+    return row_costs(engine.runner, batch, context, width, tree_rows)
 
 
 def _by_running(traces: dict[str, list[RolloutTrace]]
@@ -226,4 +243,5 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
         static = out["static_budget_on_vs_off"]
         lines.append(f"length-aware budgets on / off: adaptive {out['budget_on_vs_off']:.3f}"
                      + ("" if static is None else f", static tree {static:.3f}"))
+        lines.append("unit costs: " + row_summary(out["row_costs"]))
     return lines

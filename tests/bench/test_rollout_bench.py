@@ -43,6 +43,7 @@ def test_rollout_bench_measures_budgets_on_and_off(char_policy, char_drafter, tm
     # Round 0 is the history: the budgeted contenders draft on fewer rows than they run.
     assert out["contenders"]["adaptive_no_budget"]["drafting_row_fraction"] > 0
     assert any("budgets on / off" in line for line in summary_lines(out))
+    assert out["row_costs"]["batch"] == 16 and out["row_costs"]["row_step_ms"] > 0
 
 
 def _trace(steps: list[tuple[int, str, int, float]]) -> RolloutTrace:
