@@ -39,7 +39,7 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
-from fastdraft.engine.spec.tuner import TunerConfig, arm_name, check_tuner
+from fastdraft.engine.spec.tuner import OFF, TunerConfig, arm_name, check_tuner
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.models import CausalLM, HiddenStates, load_model, load_named_tensors
@@ -273,13 +273,13 @@ class RolloutEngine:
         """One decode or speculative step: the spec's tree, or the tuner's arm for this batch
         size, whose reward (tokens produced per second of the step) it then records."""
         cfg, num_spec = self.spec, len(batch.requests)
-        if self.budget is not None:   # the rows predicted to set the makespan, in slots 0..
+        if self.budget is not None and cfg.enabled:   # rows setting the makespan in slots 0..
             batch, num_spec = self._put_long_first(scheduler, batch)
         tuned = self.tuner is not None and cfg.enabled and num_spec > 0
         if tuned:  # the tuner's bucket: the rows its arm speculates on
             cfg = self.tuner.select(num_spec)
         if not num_spec:
-            cfg = SpecConfig(method="none")
+            cfg = OFF
         start = time.perf_counter()
         finished = (self._speculate(scheduler, batch, cfg, num_spec) if cfg.enabled
                     else self._decode(scheduler, batch))

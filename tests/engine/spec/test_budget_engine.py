@@ -182,3 +182,18 @@ def test_split_steps_padded_to_coarse_buckets_change_no_output(tiny_checkpoint, 
     trace = engine.last_trace
     assert any(0 < n < a for n, a, arm in zip(trace.drafting, trace.active, trace.arms)
                if arm != "prefill")
+
+
+def test_after_a_fallback_to_plain_decoding_budgets_move_nothing(tiny_checkpoint,
+                                                                random_drafter, random_split):
+    path, _ = tiny_checkpoint
+    engine = RolloutEngine(path, max_batch_size=6, max_seq_len=96, spec=SPEC,
+                           drafter=random_drafter, budget=BudgetConfig())
+    engine.fall_back_to_plain("a test")
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    outs = engine.generate(prompts, params)
+    plain = RolloutEngine(path, max_batch_size=6, max_seq_len=96).generate(prompts, params)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in plain]
+    assert random_split["split"] == random_split["whole"] == 0   # never consulted
+    assert set(engine.last_trace.arms) <= {"prefill", "off"}
