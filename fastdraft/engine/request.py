@@ -29,6 +29,11 @@ class Completion:
     spec: SpecStats | None = None    # None when the engine does not speculate
 
 
+def prompt_key(prompt_token_ids: list[int]) -> int:
+    """The same prompt gets the same key in every RL step (and process: ints hash stably)."""
+    return hash(tuple(prompt_token_ids))
+
+
 @dataclass(slots=True)
 class Request:
     index: int
@@ -42,6 +47,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    prompt_key: int = field(init=False)   # the prompt's identity across RL steps (budgets)
+
+    def __post_init__(self) -> None:
+        self.prompt_key = prompt_key(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -76,13 +76,10 @@ class LengthBudget:
         self._tails: dict[int, _Tail] = {}
         self._all: _Tail = _Tail([])
 
-    @staticmethod
-    def key(prompt_token_ids: list[int]) -> int:
-        return hash(tuple(prompt_token_ids))
-
-    def record(self, prompt_token_ids: list[int], length: int) -> None:
-        """A finished answer of `length` tokens; it counts from the next RL step on."""
-        self._pending.append((self.key(prompt_token_ids), length))
+    def record(self, prompt_key: int, length: int) -> None:
+        """A finished answer of `length` tokens to the prompt of that key (request.prompt_key);
+        it counts from the next RL step on."""
+        self._pending.append((prompt_key, length))
 
     def advance_step(self) -> None:
         for key, length in self._pending:
@@ -99,8 +96,8 @@ class LengthBudget:
         self._tails = {k: _Tail([n for _, n in v]) for k, v in self._history.items()}
         self._all = _Tail([n for v in self._history.values() for _, n in v])
 
-    def predict_remaining(self, prompt_token_ids: list[int], current: int) -> float:
-        tail = self._tails.get(self.key(prompt_token_ids))
+    def predict_remaining(self, prompt_key: int, current: int) -> float:
+        tail = self._tails.get(prompt_key)
         for source in (tail, self._all):
             if source is not None and (left := source.mean_remaining(current)) is not None:
                 return left
@@ -120,11 +117,12 @@ class LengthBudget:
                ) -> list[Request]:
         """The requests to speculate on this step, longest predicted first; a partial choice
         grows to round_up(count) (a batch bucket: its padding rows would cost the same)."""
-        remaining = [self.predict_remaining(r.prompt_token_ids, len(r.output_token_ids))
+        remaining = [self.predict_remaining(r.prompt_key, len(r.output_token_ids))
                      for r in requests]
         num = sum(self.speculating(remaining))
-        if 0 < num < len(requests):
-            num = min(round_up(num), len(requests))
+        if num in (0, len(requests)):   # nothing to reorder
+            return list(requests[:num])
+        num = min(round_up(num), len(requests))
         order = sorted(range(len(requests)), key=lambda i: -remaining[i])
         return [requests[i] for i in order[:num]]
 

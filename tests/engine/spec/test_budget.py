@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
 
-SHORT, LONG = [5, 6, 7], [9, 9, 9, 9]
+SHORT, LONG = prompt_key([5, 6, 7]), prompt_key([9, 9, 9, 9])
 
 
 def _budget(**kwargs) -> LengthBudget:
@@ -27,7 +28,7 @@ def test_prediction_is_the_mean_remainder_of_longer_earlier_answers():
     assert budget.predict_remaining(SHORT, 150) == pytest.approx(250)
     # Past everything seen: as long again as it already is.
     assert budget.predict_remaining(SHORT, 500) == 500
-    assert budget.predict_remaining([1, 2], 0) == pytest.approx(112)   # unseen prompt
+    assert budget.predict_remaining(prompt_key([1, 2]), 0) == pytest.approx(112)   # unseen prompt
 
 
 def test_answers_of_the_running_step_count_from_the_next_step():
@@ -65,7 +66,7 @@ def test_state_round_trips():
     restored = LengthBudget(BudgetConfig())
     restored.load_state_dict(budget.state_dict())
     assert restored.state_dict() == budget.state_dict()
-    for prompt, current in ((SHORT, 0), (SHORT, 25), (LONG, 10), ([3], 2)):
+    for prompt, current in ((SHORT, 0), (SHORT, 25), (LONG, 10), (prompt_key([3]), 2)):
         assert restored.predict_remaining(prompt, current) == budget.predict_remaining(prompt,
                                                                                        current)
     budget.advance_step()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
 from fastdraft.engine.spec.config import SpecConfig
 from tests.engine.spec.stat_utils import chi_square_test
@@ -111,8 +112,8 @@ def test_with_history_short_prompts_decode_plainly_and_output_is_unchanged(tiny_
     assert trace.drafting_row_fraction < 1
     restored = LengthBudget(BudgetConfig())
     restored.load_state_dict(engine.budget.state_dict())
-    assert restored.predict_remaining(prompts[0], 5) == engine.budget.predict_remaining(
-        prompts[0], 5) == 39
+    key = prompt_key(prompts[0])
+    assert restored.predict_remaining(key, 5) == engine.budget.predict_remaining(key, 5) == 39
 
 
 def test_split_steps_keep_the_drafter_cache_in_step(tiny_checkpoint, random_drafter,
