@@ -120,7 +120,7 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
     payload["oracle_vs_none"] = payload["oracle_s"] / total["none"]
     if budget is not None:
         payload["budget"] = {"window": budget.window, "margin": budget.margin}
-        payload["row_costs"] = _row_costs(engines["adaptive"], len(prompts), prompts,
+        payload["row_costs"] = _row_costs(engines["adaptive"], prompts,
                                           cfg.rollout.max_new_tokens,
                                           payload["contenders"]["adaptive"])
         payload["budget_on_vs_off"] = total["adaptive"] / total[BUDGET_OFF]
@@ -136,11 +136,11 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
 BUDGET_OFF = "adaptive_no_budget"
 
 
-def _row_costs(engine: RolloutEngine, num_requests: int, prompts: list[list[int]],
-               max_new_tokens: int, adaptive: dict[str, Any]) -> dict[str, Any]:
+def _row_costs(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int,
+               adaptive: dict[str, Any]) -> dict[str, Any]:
     """Why budgets pay or not here: the unit costs of this policy's forwards at the batch's
     size, at a mid-rollout context, with the drafting share the budgets had."""
-    batch = min(num_requests, engine.max_batch_size)
+    batch = min(len(prompts), engine.max_batch_size)
     width = engine.proposer.draft_width(engine.spec)
     mean_prompt = sum(map(len, prompts)) // len(prompts)
     context = min(mean_prompt + max_new_tokens // 4, engine.envelope.cache_len - width - 3)

@@ -4,8 +4,9 @@ step() = schedule -> propose -> verify -> accept -> postprocess (the speculative
 engine/spec_step.py). Without speculation "propose" is empty and "verify" is a plain decode
 step. Every step is graph-static: its inputs are copied into static buffers padded to a batch
 bucket and a context bucket, the device work runs as a few stages (captured as CUDA graphs on a
-GPU, eager elsewhere: the same code), and its results come back in one transfer. A callback receives each request the moment it finishes (the
-DataBuffer listens), long before the batch's tail is done.
+GPU, eager elsewhere: the same code), and its results come back in one transfer. A callback
+receives each request the moment it finishes (the DataBuffer listens), long before the batch's
+tail is done.
 """
 
 from __future__ import annotations

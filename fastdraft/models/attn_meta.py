@@ -57,6 +57,14 @@ class AttnMeta:
             return self.cache_len
         return self.mask.shape[-1]
 
+    @property
+    def sdpa_mask(self) -> torch.Tensor | None:
+        """What scaled_dot_product_attention takes: the bias if built, else the bool mask
+        [B, 1, T, ctx_len], None for no mask."""
+        if self.bias is not None:
+            return self.bias
+        return None if self.mask is None else self.mask.unsqueeze(1)
+
     def with_bias(self, dtype: torch.dtype) -> AttnMeta:
         if self.mask is None or self.bias is not None:
             return self

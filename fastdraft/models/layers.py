@@ -74,11 +74,7 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, rope)
         if isinstance(attn, GroupedAttn):
             return self.o_proj(self._grouped(q, k, v, attn))
-        if attn is None:
-            mask = None
-        else:
-            mask = attn.bias if attn.bias is not None else (
-                None if attn.mask is None else attn.mask.unsqueeze(1))
+        mask = None if attn is None else attn.sdpa_mask
         if kv is None:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
@@ -98,9 +94,8 @@ class Attention(nn.Module):
             rows, width, end = group.num_rows, group.width, start + group.num_tokens
             qg, kg, vg = (t[0, start:end].unflatten(0, (rows, width)) for t in (q, k, v))
             keys, values = _write_and_read(group.kv, self.layer_idx, kg, vg, group.attn)
-            mask = group.attn.bias if group.attn.bias is not None else (
-                None if group.attn.mask is None else group.attn.mask.unsqueeze(1))
-            out = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values, attn_mask=mask,
+            out = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values,
+                                                 attn_mask=group.attn.sdpa_mask,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
             outs.append(out.transpose(1, 2).reshape(1, group.num_tokens, -1))
             start = end

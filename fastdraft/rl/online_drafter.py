@@ -141,10 +141,9 @@ def health_check(engine: RolloutEngine, history: list[float], accept_length: flo
     (zeroed, misloaded, or for another policy) must never make rollouts slower than plain."""
     history.append(accept_length)
     del history[:-HEALTH_WINDOW]   # all the check reads: a run of days keeps no more
-    recent = history
-    if len(recent) < HEALTH_WINDOW or max(recent) > COLLAPSED_ACCEPT_LENGTH:
+    if len(history) < HEALTH_WINDOW or max(history) > COLLAPSED_ACCEPT_LENGTH:
         return False
-    engine.fall_back_to_plain(f"accept length {[round(a, 3) for a in recent]} <= "
+    engine.fall_back_to_plain(f"accept length {[round(a, 3) for a in history]} <= "
                               f"{COLLAPSED_ACCEPT_LENGTH} for {HEALTH_WINDOW} steps: the "
                               "drafter is broken")
     print(f"drafter: falling back to plain decoding: {engine.fallback_reason}")
