@@ -17,6 +17,15 @@ import yaml
 from fastdraft.config.sections import RunConfig
 from fastdraft.utils.atomic import atomic_write_text
 
+#: Keys that existed once: a recipe that still has one is told what replaced it.
+REMOVED_KEYS = {
+    "actor.deepspeed": "the actor shards itself with FSDP2 over actor.num_ranks processes "
+                       "(fp32 masters, actor.compute_dtype compute); DeepSpeed is not offered: "
+                       "delete the actor.deepspeed section",
+    "actor.mixed_precision": "use actor.compute_dtype: bfloat16 | float16 | float32 (the "
+                             "actor always keeps fp32 master weights)",
+}
+
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """A recipe file (None: all defaults) plus `a.b.c=value` overrides -> a checked RunConfig."""
@@ -64,6 +73,8 @@ def build(cls: type, data: Any, where: str, base: Any = None) -> Any:
     kwargs = {} if base is None else {f: getattr(base, f) for f in fields}
     for key, value in data.items():
         name = f"{where}.{key}" if where else str(key)
+        if key not in fields and name in REMOVED_KEYS:
+            raise ValueError(f"recipe key {name!r} was removed: {REMOVED_KEYS[name]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {_join(where, close[0])!r}?" if close else ""

@@ -164,10 +164,14 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActorConfig:
-    """The trained policy: AdamW through accelerate. micro_batch_tokens bounds the tokens of one
-    forward/backward (gradients accumulate over micro-batches into one optimizer step per
-    update); mixed_precision: no | bf16 | fp16; deepspeed: a DeepSpeed config dict (ZeRO-2/3)
-    handed to accelerate on GPU clusters."""
+    """The trained policy: fp32 master weights and AdamW state, sharded with FSDP2 over
+    num_ranks processes (rank 0 is the run's own process; gloo on CPU, nccl on GPU: rank r on
+    cuda:r). compute_dtype: the dtype of its forward and backward (float32 | bfloat16 |
+    float16; float16 with a dynamic loss scale); the engine serves model.dtype, cast from the
+    masters at every push. micro_batch_tokens bounds the tokens of one forward/backward
+    (gradients accumulate over micro-batches into one optimizer step per update, whatever the
+    budget or the number of ranks); updates_per_step optimizer steps per rollout, the LR
+    schedule counting optimizer steps."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -176,19 +180,16 @@ class ActorConfig:
     grad_clip: float = 1.0
     updates_per_step: int = 1
     micro_batch_tokens: int = 8192
-    mixed_precision: str = "no"
-    deepspeed: dict[str, Any] | None = None
+    compute_dtype: str = "float32"
+    num_ranks: int = 1
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
         _require(self.updates_per_step >= 1 and self.micro_batch_tokens >= 1,
                  "actor.updates_per_step and actor.micro_batch_tokens must be >= 1")
-        _require(self.mixed_precision in ("no", "bf16", "fp16"),
-                 "actor.mixed_precision must be no, bf16 or fp16")
-        if self.deepspeed is not None:
-            stage = self.deepspeed.get("zero_optimization", {}).get("stage")
-            _require(stage in (0, 1, 2, 3), "actor.deepspeed.zero_optimization.stage must be "
-                     f"0, 1, 2 or 3, got {stage!r}")
+        _require(self.compute_dtype in DTYPES, f"actor.compute_dtype must be one of {DTYPES}, "
+                 f"got {self.compute_dtype!r}")
+        _require(self.num_ranks >= 1, "actor.num_ranks must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

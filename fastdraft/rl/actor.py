@@ -46,13 +46,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature:
 class Actor:
     def __init__(self, model: CausalLM, cfg: ActorConfig, total_steps: int) -> None:
         self.cfg, self.total_steps = cfg, total_steps
-        plugin = None
-        if cfg.deepspeed is not None:
-            from accelerate.utils import DeepSpeedPlugin
-            plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed)
+        mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.compute_dtype]
         device = next(model.parameters()).device
-        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
-                                       cpu=device.type == "cpu", deepspeed_plugin=plugin)
+        self.accelerator = Accelerator(mixed_precision=mixed, cpu=device.type == "cpu")
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model.train(), optimizer)

@@ -23,8 +23,8 @@ def test_every_bundled_recipe_parses():
 @pytest.mark.parametrize("name", ["qwen2.5-7b-grpo.yaml", "qwen3-8b-grpo.yaml"])
 def test_real_recipes_are_checked_and_report_missing_paths(name):
     cfg = load_recipe(Path(__file__).parents[2] / "recipes" / name)
-    assert cfg.model.dtype == "bfloat16" and cfg.actor.mixed_precision == "bf16"
-    assert cfg.actor.deepspeed["zero_optimization"]["stage"] == 3
+    assert cfg.model.dtype == "bfloat16" and cfg.actor.compute_dtype == "bfloat16"
+    assert cfg.actor.num_ranks == 8
     assert cfg.data.path is not None and cfg.data.reward == "math"
     with pytest.raises(FileNotFoundError) as err:
         check_paths(cfg)
@@ -32,6 +32,8 @@ def test_real_recipes_are_checked_and_report_missing_paths(name):
         assert key in str(err.value)
 
 
-def test_deepspeed_stage_is_validated():
-    with pytest.raises(ValueError, match=r"zero_optimization\.stage"):
-        load_recipe(None, ["actor.deepspeed={zero_optimization: {stage: 4}}"])
+@pytest.mark.parametrize("key", ["actor.deepspeed={zero_optimization: {stage: 3}}",
+                                 "actor.mixed_precision=bf16"])
+def test_removed_actor_keys_say_what_replaced_them(key):
+    with pytest.raises(ValueError, match=r"was removed: .*actor\.(num_ranks|compute_dtype)"):
+        load_recipe(None, [key])
