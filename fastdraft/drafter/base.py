@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdraft.drafter.layout import LayerLayout
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, ModelConfig
 from fastdraft.models.rope import RopeTable, RotaryEmbedding
 
@@ -21,9 +22,21 @@ from fastdraft.models.rope import RopeTable, RotaryEmbedding
 class Drafter(nn.Module):
     kind: ClassVar[str]
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    @classmethod
+    def layer_layout(cls, target: ModelConfig) -> LayerLayout:
+        """The switches of this kind's decoder layer for `target`: what every engine format
+        that loads this kind for such a target can hold (see layout.py)."""
+        raise NotImplementedError
+
+    def __init__(self, cfg: ModelConfig, max_positions: int,
+                 layout: LayerLayout | None = None) -> None:
+        """cfg: the target policy's config (shapes, rope, vocabulary); layout: the layer's
+        switches, by default this kind's for the target (a legacy checkpoint passes its own)."""
         super().__init__()
         self.config = cfg
+        self.layout = self.layer_layout(cfg) if layout is None else layout
+        # What the drafter's decoder layer is built from: never the target's own switches.
+        self.layer_config = self.layout.apply(cfg)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings, max_positions)
         # Borrowed from the policy by attach(); kept out of state_dict and parameters().
@@ -46,7 +59,7 @@ class Drafter(nn.Module):
     def detached(self) -> Drafter:
         """A copy of the trainable layers (and draft vocabulary) that borrows nothing yet:
         what travels to a trainer, which attaches it to its own copy of the policy head."""
-        copy = build_drafter(self.kind, self.config, self.rope.cos.shape[0])
+        copy = build_drafter(self.kind, self.config, self.rope.cos.shape[0], self.layout)
         copy.load_state_dict(self.state_dict())
         copy.draft_token_ids = self.draft_token_ids
         return copy
@@ -109,7 +122,20 @@ def register_drafter(kind: str) -> Callable[[type[Drafter]], type[Drafter]]:
     return wrap
 
 
-def build_drafter(kind: str, cfg: ModelConfig, max_positions: int) -> Drafter:
+def _drafter_class(kind: str) -> type[Drafter]:
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
-    return DRAFTERS[kind](cfg, max_positions)
+    return DRAFTERS[kind]
+
+
+def drafter_layer_config(kind: str, policy_config: ModelConfig) -> ModelConfig:
+    """The config a `kind` drafter's decoder layer is built from for this policy: the policy's
+    shapes with the kind's own switches (no QK-norm; biases only where the engines have them)."""
+    return _drafter_class(kind).layer_layout(policy_config).apply(policy_config)
+
+
+def build_drafter(kind: str, cfg: ModelConfig, max_positions: int,
+                  layout: LayerLayout | None = None) -> Drafter:
+    """A `kind` drafter for the policy whose config is `cfg`; its layer gets the kind's layout
+    for that policy unless `layout` (a saved checkpoint's) is given."""
+    return _drafter_class(kind)(cfg, max_positions, layout)

@@ -1,5 +1,6 @@
-"""Drafter checkpoints: `drafter_config.json` (kind + the policy shape it was trained for) and
-`model.safetensors` (trainable tensors only; embedding and lm_head belong to the policy)."""
+"""Drafter checkpoints: `drafter_config.json` (kind, the policy shape it was trained for and its
+layer layout) and `model.safetensors` (trainable tensors only; embedding and lm_head belong to
+the policy)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastdraft.drafter.base import Drafter, build_drafter
+from fastdraft.drafter.layout import LAYOUT_KEY, saved_layout
 from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
 from fastdraft.utils.atomic import atomic_dir
 
@@ -25,14 +27,17 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
     with atomic_dir(out_dir) as tmp:
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(), **(extra or {})}
+        meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(),
+                LAYOUT_KEY: drafter.layout.to_dict(), **(extra or {})}
         if drafter.draft_token_ids is not None:
             meta["draft_token_ids"] = drafter.draft_token_ids.tolist()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
 
 
 def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Drafter:
-    """Loads a drafter for `policy`, refusing one trained for a differently shaped policy."""
+    """Loads a drafter for `policy`, refusing one trained for a differently shaped policy. The
+    layer is built with the checkpoint's own layout: one saved before drafters had their own
+    (its layer copied the policy's biases / QK-norm) still runs, though it may not export."""
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / CONFIG_FILE} not found: --drafter takes a directory "
@@ -46,7 +51,7 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
         raise ValueError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
                          "train a drafter for this policy with `fastdraft drafter warmup`")
     param = next(policy.parameters())
-    drafter = build_drafter(meta["kind"], policy.config, max_positions)
+    drafter = build_drafter(meta["kind"], policy.config, max_positions, saved_layout(meta))
     drafter = drafter.to(device=param.device, dtype=param.dtype).attach(policy)
     named = load_file(str(path / WEIGHTS_FILE), device=str(param.device))
     load_named_tensors(drafter, named.items())

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fastdraft.drafter.base import Drafter, register_drafter
+from fastdraft.drafter.layout import LayerLayout
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer
 from fastdraft.models.rope import RopeTable
@@ -14,12 +15,22 @@ from fastdraft.models.rope import RopeTable
 
 @register_drafter("eagle1")
 class Eagle1Drafter(Drafter):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__(cfg, max_positions)
+    @classmethod
+    def layer_layout(cls, target: ModelConfig) -> LayerLayout:
+        # The engines' EAGLE-1 layers: SGLang's Qwen2ForCausalLMEagle always has q/k/v biases,
+        # its LlamaForCausalLMEagle (Llama and Qwen3 targets) one switch for q/k/v/o biases,
+        # vLLM's LlamaForCausalLM a switch each for q/k/v (qkv_bias) and o_proj
+        # (attention_bias); so the target's attention biases stay. None of them has QK-norm
+        # (a Qwen3 target's drafter is a Llama EAGLE layer), and SGLang's MLP has no bias.
+        return LayerLayout(qkv_bias=target.qkv_bias, o_proj_bias=target.o_proj_bias)
+
+    def __init__(self, cfg: ModelConfig, max_positions: int,
+                 layout: LayerLayout | None = None) -> None:
+        super().__init__(cfg, max_positions, layout)
         h = cfg.hidden_size
         # No bias: vLLM refuses fc.bias; SGLang's exporter writes zeros for it.
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, input_norm=False)])
+        self.layers = nn.ModuleList([DecoderLayer(self.layer_config, 0, input_norm=False)])
 
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:
         return hidden.final

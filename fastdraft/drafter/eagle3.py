@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fastdraft.drafter.base import Drafter, register_drafter
+from fastdraft.drafter.layout import LayerLayout
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
 from fastdraft.models.rope import RopeTable
@@ -21,11 +22,18 @@ def eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
 
 @register_drafter("eagle3")
 class Eagle3Drafter(Drafter):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__(cfg, max_positions)
+    @classmethod
+    def layer_layout(cls, target: ModelConfig) -> LayerLayout:
+        # One LlamaForCausalLMEagle3 directory serves both engines for every target family, and
+        # SGLang's EAGLE-3 q/k/v projections have no bias: no bias anywhere, no QK-norm.
+        return LayerLayout()
+
+    def __init__(self, cfg: ModelConfig, max_positions: int,
+                 layout: LayerLayout | None = None) -> None:
+        super().__init__(cfg, max_positions, layout)
         h = cfg.hidden_size
         self.fc = nn.Linear(3 * h, h, bias=False)
-        self.midlayer = DecoderLayer(cfg, 0, input_norm=True, attn_input_size=2 * h)
+        self.midlayer = DecoderLayer(self.layer_config, 0, input_norm=True, attn_input_size=2 * h)
         self.midlayer.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 

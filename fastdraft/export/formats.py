@@ -21,10 +21,12 @@ WEIGHTS_FILE = "model.safetensors"
 # Both engines run drafters in bfloat16; the weights are written in it too (see writer.py).
 EXPORT_DTYPE_NAME = "bfloat16"
 
-# SGLang picks the EAGLE-1 drafter class by the target's family.
+# SGLang's EAGLE-1 drafter class for each target family. SGLang has no Qwen3 EAGLE-1 class; a
+# Qwen3 target's drafter has no QK-norm (drafter/eagle1.py), so it is a Llama EAGLE layer.
 SGLANG_EAGLE1_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLMEagle",
     "qwen2": "Qwen2ForCausalLMEagle",
+    "qwen3": "LlamaForCausalLMEagle",
 }
 # vLLM prefixes "Eagle" itself and does not know LlamaForCausalLMEagle.
 VLLM_EAGLE1_ARCHITECTURE = "LlamaForCausalLM"
@@ -57,8 +59,8 @@ def export_dirs(out_dir: str | Path, kind: str, fmt: str) -> dict[Path, tuple[En
 
 def sglang_eagle1_architecture(model_type: str) -> str:
     if model_type not in SGLANG_EAGLE1_ARCHITECTURES:
-        raise ValueError(f"SGLang has no EAGLE-1 drafter class for {model_type!r} targets; it "
-                         f"has {', '.join(SGLANG_EAGLE1_ARCHITECTURES.values())} for "
+        raise ValueError(f"SGLang has no EAGLE-1 drafter class for {model_type!r} targets; "
+                         f"fastdraft exports EAGLE-1 drafters for "
                          f"{', '.join(SGLANG_EAGLE1_ARCHITECTURES)} targets")
     return SGLANG_EAGLE1_ARCHITECTURES[model_type]
 

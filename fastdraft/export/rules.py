@@ -27,8 +27,8 @@ OTHER_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling")
 def architectures_allowed(kind: str, engine: Engine) -> tuple[str, ...]:
     if kind == "eagle3":
         return (EAGLE3_ARCHITECTURE,)
-    if engine == "sglang":
-        return tuple(SGLANG_EAGLE1_ARCHITECTURES.values())
+    if engine == "sglang":  # one class may serve several target families
+        return tuple(dict.fromkeys(SGLANG_EAGLE1_ARCHITECTURES.values()))
     return (VLLM_EAGLE1_ARCHITECTURE,)
 
 

@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fastdraft.drafter import build_drafter
+from fastdraft.drafter import DRAFTERS, build_drafter
 from fastdraft.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from fastdraft.drafter.layout import LayerLayout, saved_layout
 from fastdraft.models import ModelConfig
 
 # Fields whose disagreement means the drafter's weights do not fit the target's layout (or, for
@@ -25,8 +26,10 @@ MUST_MATCH = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
 
 @dataclass(frozen=True)
 class DrafterCheckpoint:
+    path: Path
     kind: str
     trained_for: ModelConfig
+    layout: LayerLayout             # its decoder layer's switches (layout.py)
     tensors: dict[str, torch.Tensor]
     draft_token_ids: torch.Tensor | None
 
@@ -40,8 +43,10 @@ def read_drafter_checkpoint(drafter_dir: str | Path) -> DrafterCheckpoint:
     meta = json.loads((drafter_dir / CONFIG_FILE).read_text())
     ids = meta.get("draft_token_ids")
     return DrafterCheckpoint(
+        path=drafter_dir,
         kind=meta["kind"],
         trained_for=ModelConfig.from_hf_dict(meta["policy_config"]),
+        layout=saved_layout(meta),
         tensors=load_file(str(drafter_dir / WEIGHTS_FILE)),
         draft_token_ids=None if ids is None else torch.tensor(ids, dtype=torch.long))
 
@@ -53,6 +58,7 @@ def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
                   for f in MUST_MATCH if getattr(ckpt.trained_for, f) != getattr(policy, f)]
     if mismatches:
         raise ValueError(f"the drafter was trained for another target ({'; '.join(mismatches)})")
+    _check_layout(ckpt, policy)
     with torch.device("meta"):  # names and shapes only, no memory
         expected = {n: t.shape for n, t in build_drafter(ckpt.kind, policy, 1).state_dict().items()}
     wrong = [f"{n}: missing" for n in expected if n not in ckpt.tensors]
@@ -62,6 +68,23 @@ def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
     if wrong:
         raise ValueError(f"the {ckpt.kind} drafter checkpoint does not fit the target: "
                          f"{'; '.join(wrong[:5])}")
+
+
+def _check_layout(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
+    """Refuses a drafter whose layer the engines cannot hold: every drafter fastdraft builds now
+    has its kind's layout, but one saved before drafters had their own copied the target's
+    biases / QK-norm (layout.py), and no engine format has a place for those."""
+    wanted = DRAFTERS[ckpt.kind].layer_layout(policy)
+    if ckpt.layout == wanted:
+        return
+    raise ValueError(
+        f"the {ckpt.kind} drafter at {ckpt.path} cannot be exported: its decoder layer "
+        f"{' and '.join(ckpt.layout.differences(wanted))}, but the engines' {ckpt.kind} layer "
+        f"for a {policy.model_type} target has {wanted.describe()} (the drafter was saved by "
+        "an older fastdraft, which copied the target's layer switches into the drafter). It "
+        "still runs in fastdraft's engine; to get an exportable one, warm up a new drafter "
+        f"(`fastdraft drafter warmup --policy POLICY_DIR --kind {ckpt.kind} --out DIR`) and "
+        "train it on with `fastdraft run ... drafter.path=DIR`")
 
 
 def _shard_holding(policy_dir: Path, name: str) -> Path | None:

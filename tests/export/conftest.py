@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastdraft.drafter import Drafter, build_drafter, save_drafter
+from fastdraft.engine.spec.draft_head import DraftHead
 from fastdraft.models import CausalLM, load_model
 from tests.conftest import make_tiny_checkpoint
 
@@ -47,3 +48,18 @@ def saved_drafter(policy: CausalLM, kind: str, out: Path, seed: int = 0,
 
 def load_policy(path: Path) -> CausalLM:
     return load_model(path, max_positions=MAX_POSITIONS)
+
+
+def assert_same_steps(original: Drafter, reloaded: Drafter) -> None:
+    """The reloaded drafter computes bit-identical features, logits and draft logits."""
+    torch.manual_seed(7)
+    features = torch.randn(2, 5, original.config.hidden_size)
+    ids = torch.randint(0, original.config.vocab_size, (2, 5))
+    positions = torch.arange(1, 6).expand(2, -1)
+    with torch.no_grad():
+        want_out, want_logits = original.step(features, ids, positions)
+        got_out, got_logits = reloaded.step(features, ids, positions)
+        assert torch.equal(got_out, want_out)
+        assert torch.equal(got_logits, want_logits)
+        want_draft = DraftHead(original).logits(want_out)
+        assert torch.equal(DraftHead(reloaded).logits(got_out), want_draft)

@@ -9,32 +9,36 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastdraft.drafter import build_drafter, save_drafter
-from fastdraft.engine.spec.draft_head import DraftHead
+from fastdraft.drafter import LayerLayout, build_drafter, load_drafter, save_drafter
+from fastdraft.drafter.layout import LAYOUT_KEY
 from fastdraft.export import export_drafter, load_exported_drafter
+from fastdraft.export.names import to_engine_names
 from fastdraft.export.sources import read_policy_lm_head
 from tests.conftest import make_tiny_checkpoint
-from tests.export.conftest import MAX_POSITIONS, load_policy, saved_drafter
-
-
-def _assert_same_steps(original, reloaded) -> None:
-    torch.manual_seed(7)
-    hidden = original.config.hidden_size
-    features = torch.randn(2, 5, hidden)
-    ids = torch.randint(0, original.config.vocab_size, (2, 5))
-    positions = torch.arange(1, 6).expand(2, -1)
-    with torch.no_grad():
-        want_out, want_logits = original.step(features, ids, positions)
-        got_out, got_logits = reloaded.step(features, ids, positions)
-        assert torch.equal(got_out, want_out)
-        assert torch.equal(got_logits, want_logits)
-        want_draft = DraftHead(original).logits(want_out)
-        assert torch.equal(DraftHead(reloaded).logits(got_out), want_draft)
+from tests.export.conftest import (
+    MAX_POSITIONS,
+    assert_same_steps,
+    load_policy,
+    saved_drafter,
+)
 
 
 def _read(path):
     config = json.loads((path / "config.json").read_text())
     return config, load_file(str(path / "model.safetensors"))
+
+
+def save_legacy_drafter(policy, kind: str, out):
+    """A drafter checkpoint as fastdraft wrote it before drafters had their own layer layout:
+    the layer built from the policy's config (its biases, its QK-norm) and no layout recorded."""
+    torch.manual_seed(0)
+    drafter = build_drafter(kind, policy.config, MAX_POSITIONS,
+                            LayerLayout.of(policy.config)).attach(policy)
+    save_drafter(drafter, out)
+    meta = json.loads((out / "drafter_config.json").read_text())
+    del meta[LAYOUT_KEY]
+    (out / "drafter_config.json").write_text(json.dumps(meta))
+    return drafter.eval()
 
 
 def test_eagle1_llama_both_variants_round_trip(llama_policy_dir, tmp_path):
@@ -58,7 +62,7 @@ def test_eagle1_llama_both_variants_round_trip(llama_policy_dir, tmp_path):
                    for k in vllm)
     assert sglang["fc.weight"].dtype == torch.bfloat16
     for path in written:
-        _assert_same_steps(drafter, load_exported_drafter(path, policy, MAX_POSITIONS))
+        assert_same_steps(drafter, load_exported_drafter(path, policy, MAX_POSITIONS))
 
 
 def test_qwen2_target_gets_qwen2_eagle_class_and_keeps_qkv_biases(qwen2_policy_dir, tmp_path):
@@ -77,7 +81,7 @@ def test_qwen2_target_gets_qwen2_eagle_class_and_keeps_qkv_biases(qwen2_policy_d
     assert vllm_cfg["qkv_bias"] is True and vllm_cfg["attention_bias"] is False
     assert "layers.0.self_attn.v_proj.bias" in vllm
     for path in (sglang_dir, vllm_dir):
-        _assert_same_steps(drafter, load_exported_drafter(path, policy, MAX_POSITIONS))
+        assert_same_steps(drafter, load_exported_drafter(path, policy, MAX_POSITIONS))
 
 
 def test_eagle3_full_vocabulary_round_trip(llama_policy_dir, tmp_path):
@@ -94,7 +98,7 @@ def test_eagle3_full_vocabulary_round_trip(llama_policy_dir, tmp_path):
     assert tensors["fc.weight"].shape == (64, 192)
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
     assert torch.equal(tensors["lm_head.weight"], policy.lm_head.weight.to(torch.bfloat16))
-    _assert_same_steps(drafter, load_exported_drafter(out, policy, MAX_POSITIONS))
+    assert_same_steps(drafter, load_exported_drafter(out, policy, MAX_POSITIONS))
 
 
 def test_eagle3_draft_vocabulary_round_trip(llama_policy_dir, tmp_path):
@@ -112,7 +116,7 @@ def test_eagle3_draft_vocabulary_round_trip(llama_policy_dir, tmp_path):
                        policy.lm_head.weight[draft_ids].to(torch.bfloat16))
     reloaded = load_exported_drafter(out, policy, MAX_POSITIONS)
     assert reloaded.draft_token_ids.tolist() == draft_ids
-    _assert_same_steps(drafter, reloaded)
+    assert_same_steps(drafter, reloaded)
 
 
 def test_tied_policy_lm_head_is_read_from_the_embedding(qwen2_policy_dir):
@@ -121,22 +125,30 @@ def test_tied_policy_lm_head_is_read_from_the_embedding(qwen2_policy_dir):
     assert torch.equal(lm_head, policy.model.embed_tokens.weight)
 
 
-def test_eagle3_attention_biases_are_refused_by_name(qwen2_policy_dir, tmp_path):
-    """A Qwen2 policy gives the EAGLE-3 drafter q/k/v biases; SGLang's EAGLE-3 layer has none,
-    so the one directory both engines read cannot hold them, and nothing is written."""
-    policy = load_policy(qwen2_policy_dir)
-    saved_drafter(policy, "eagle3", tmp_path / "drafter")
-    with pytest.raises(ValueError, match=r"midlayer\.self_attn\.q_proj\.bias.*no bias"):
+def test_legacy_eagle3_drafter_with_qkv_biases_is_refused_with_the_fix(qwen2_policy_dir,
+                                                                        tmp_path):
+    """A drafter saved when its layer copied the Qwen2 target's q/k/v biases: SGLang's EAGLE-3
+    layer has none, so the export says why and what to do, and writes nothing."""
+    save_legacy_drafter(load_policy(qwen2_policy_dir), "eagle3", tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"cannot be exported: its decoder layer has q/k/v bias"
+                                         r".*no bias, no QK-norm.*fastdraft drafter warmup"):
         export_drafter(tmp_path / "drafter", qwen2_policy_dir, tmp_path / "out", "all")
     assert not (tmp_path / "out").exists()
 
 
-def test_unmapped_qk_norm_is_named(tmp_path):
-    make_tiny_checkpoint(tmp_path / "qwen3", model_type="qwen3")
+def test_legacy_eagle1_drafter_with_qk_norm_is_refused_but_still_loads(tmp_path):
+    make_tiny_checkpoint(tmp_path / "qwen3", model_type="qwen3", head_dim=16)
     policy = load_policy(tmp_path / "qwen3")
-    save_drafter(build_drafter("eagle1", policy.config, MAX_POSITIONS), tmp_path / "drafter")
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_norm\.weight.*QK-norm"):
+    legacy = save_legacy_drafter(policy, "eagle1", tmp_path / "drafter")
+    with pytest.raises(ValueError, match=r"its decoder layer has QK-norm.*--kind eagle1"):
         export_drafter(tmp_path / "drafter", tmp_path / "qwen3", tmp_path / "out", "vllm")
+    # The engine still runs it: loaded with the layout it was trained with, it computes the same.
+    again = load_drafter(tmp_path / "drafter", policy, MAX_POSITIONS)
+    assert again.layout.qk_norm and "layers.0.self_attn.q_norm.weight" in again.state_dict()
+    assert_same_steps(legacy, again)
+    # The exporter's name table names what has no place, should a tensor get past that check.
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_norm\.weight.*QK-norm"):
+        to_engine_names("eagle1", "LlamaForCausalLM", dict(legacy.state_dict()))
 
 
 def test_drafter_for_another_target_is_refused(llama_policy_dir, qwen2_policy_dir, tmp_path):
