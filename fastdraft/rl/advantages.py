@@ -4,6 +4,10 @@ Estimators register by name (``@register_advantage("grpo")``) and are called thr
 ``compute_advantages(name, rewards, group_size, **options)``. Rewards arrive flat in group-major
 order (the G samples of prompt 0, then those of prompt 1, ...), which is the order the rollout
 engine returns them in; estimators see them reshaped to [num_prompts, G].
+
+An estimator can be defined together with the loss aggregation it needs (a preset:
+``register_advantage("dr_grpo", aggregation="seq-mean-token-sum-norm")``): the run then uses
+that aggregation, and a recipe that asks for another one is refused (config/sections.py).
 """
 
 from __future__ import annotations
@@ -21,16 +25,37 @@ GRPO_EPS = 1e-6
 AdvantageFn = Callable[..., torch.Tensor]
 _F = TypeVar("_F", bound=AdvantageFn)
 _ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+_AGGREGATION: dict[str, str] = {}   # estimator -> the loss aggregation it is defined with
 
 
-def register_advantage(name: str) -> Callable[[_F], _F]:
-    """Decorator: register ``fn(grouped [P, G], **options) -> [P, G]`` under ``name``."""
-    return _ADVANTAGES.register(name)  # type: ignore[return-value]
+def register_advantage(name: str, *, aggregation: str | None = None) -> Callable[[_F], _F]:
+    """Decorator: register ``fn(grouped [P, G], **options) -> [P, G]`` under ``name``.
+    aggregation: the loss aggregation (policy_loss.py) the estimator is only correct with."""
+    register = _ADVANTAGES.register(name)
+
+    def decorate(fn: _F) -> _F:
+        register(fn)
+        if aggregation is not None:
+            _AGGREGATION[name] = aggregation
+        return fn
+    return decorate
 
 
 def available_advantages() -> list[str]:
     """Names of the registered estimators, sorted."""
     return _ADVANTAGES.names()
+
+
+def advantage_defaults(name: str) -> dict[str, object]:
+    """The keyword options estimator ``name`` takes, with their defaults (unknown name: a
+    ValueError listing the registered ones)."""
+    params = list(inspect.signature(_ADVANTAGES.get(name)).parameters.values())[1:]
+    return {p.name: p.default for p in params}
+
+
+def advantage_aggregation(name: str) -> str | None:
+    """The loss aggregation estimator ``name`` is defined with (None: any)."""
+    return _AGGREGATION.get(name)
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -59,12 +84,11 @@ def compute_advantages(
 
     Advantages carry no gradient: they are targets for the policy loss, not a function of it.
     """
-    fn = _ADVANTAGES.get(name)
-    accepted = list(inspect.signature(fn).parameters)[1:]
+    accepted = list(advantage_defaults(name))
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"advantage {name!r} got unknown options {unknown}: it takes {accepted}")
-    return fn(_grouped(rewards, group_size), **options).reshape(-1)
+    return _ADVANTAGES.get(name)(_grouped(rewards, group_size), **options).reshape(-1)
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -79,11 +103,11 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
 
 @register_advantage("grpo")
 def grpo_advantages(grouped: torch.Tensor, *, scale_std: bool = True) -> torch.Tensor:
-    """(r - group mean) / (group std + 1e-6); ``scale_std=False`` is Dr. GRPO (mean only).
+    """(r - group mean) / (group std + 1e-6); ``scale_std=False``: the mean only.
 
     The std is the unbiased sample std (divides by G - 1), as ``torch.std`` in verl's GRPO, so
-    values match that reference; it needs G >= 2. Dr. GRPO drops the division because it
-    up-weights prompts that are nearly always right or wrong (a length/difficulty bias).
+    values match that reference; it needs G >= 2. ``scale_std=False`` alone is NOT Dr. GRPO:
+    the loss's aggregation still divides each answer by its own length; ``dr_grpo`` is both.
     """
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if not scale_std:
@@ -91,6 +115,20 @@ def grpo_advantages(grouped: torch.Tensor, *, scale_std: bool = True) -> torch.T
     if grouped.shape[1] < 2:
         raise ValueError("grpo with scale_std=True needs group_size >= 2 (std of one sample)")
     return centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + GRPO_EPS)
+
+
+@register_advantage("dr_grpo", aggregation="seq-mean-token-sum-norm")
+def dr_grpo_advantages(grouped: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like Training"): r - group mean.
+
+    GRPO has two biases this removes. The std division up-weights prompts that are nearly
+    always right or always wrong (a difficulty bias): gone here. And dividing each answer's
+    token losses by its own length |o| makes a long wrong answer cost less per token than a
+    short one (a length bias that grows wrong answers): so this estimator is registered with
+    the aggregation seq-mean-token-sum-norm, which divides by a constant (the run's
+    rollout.max_new_tokens) instead. The run uses that aggregation; another is refused.
+    """
+    return grouped - grouped.mean(dim=1, keepdim=True)
 
 
 @register_advantage("rloo")

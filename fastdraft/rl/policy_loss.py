@@ -38,7 +38,9 @@ class PolicyBatch:
     ``mask`` [B, T] bool: answer tokens. ``ref_logprobs`` [B, T] or None: frozen reference for
     KL. ``sample_weight`` [B] or None: >= 0 per sequence, 0 skips it (e.g. DAPO's zero-variance
     groups, found with ``advantages.zero_variance_groups``). Non-finite values where ``mask``
-    is true raise ValueError: a NaN there would silently poison the whole update.
+    is true raise ValueError: a NaN there would silently poison the whole update. A caller
+    that must survive one bad sequence masks it out first (``finite_sequences``: its mask row
+    all False, so it weighs nothing); ``Algorithm.objective`` (rl/objective.py) does.
     """
 
     logprobs: torch.Tensor
@@ -72,6 +74,18 @@ class PolicyBatch:
                 raise ValueError("sample_weight must be finite and >= 0 (0 skips a sequence)")
 
 
+def finite_sequences(mask: torch.Tensor, advantages: torch.Tensor,
+                     *token_values: torch.Tensor | None) -> torch.Tensor:
+    """mask [B, T] bool, advantages [B], token_values [B, T] each (None skipped) -> bool [B]:
+    the sequences whose advantage and every masked token value are finite. Values off the mask
+    do not count (padding may hold anything)."""
+    ok = torch.isfinite(advantages.detach()).to(mask.device)
+    for values in token_values:
+        if values is not None:
+            ok &= (torch.isfinite(values.detach()) | ~mask).all(dim=1)
+    return ok
+
+
 def _safe(denominator: torch.Tensor) -> torch.Tensor:
     """Denominator with 0 replaced by 1: an empty sum then gives 0, not NaN."""
     return torch.where(denominator > 0, denominator, torch.ones_like(denominator))
@@ -100,6 +114,11 @@ _AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
 }
+
+
+def available_aggregations() -> list[str]:
+    """Names of the aggregation modes, sorted."""
+    return sorted(_AGGREGATIONS)
 
 
 def aggregate(
@@ -137,6 +156,13 @@ def available_policy_losses() -> list[str]:
     return _LOSSES.names()
 
 
+def policy_loss_defaults(name: str) -> dict[str, object]:
+    """The keyword options loss ``name`` takes, with their defaults (unknown name: a
+    ValueError listing the registered ones)."""
+    params = list(inspect.signature(_LOSSES.get(name)).parameters.values())[1:]
+    return {p.name: p.default for p in params}
+
+
 def policy_loss(
     name: str, batch: PolicyBatch, **options: object
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -147,12 +173,11 @@ def policy_loss(
     term wins the min and the token's gradient is cut off (verl's definition). kl is the mean
     k3 estimate when ``ref_logprobs`` is given, else 0.0.
     """
-    fn = _LOSSES.get(name)
-    accepted = list(inspect.signature(fn).parameters)[1:]
+    accepted = list(policy_loss_defaults(name))
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"policy loss {name!r} got unknown options {unknown}: it takes {accepted}")
-    return fn(batch, **options)
+    return _LOSSES.get(name)(batch, **options)
 
 
 def _clipped_surrogate(

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from fastdraft.rl.advantages import (
+    advantage_aggregation,
+    advantage_defaults,
     available_advantages,
     compute_advantages,
     register_advantage,
@@ -39,6 +41,17 @@ def test_dr_grpo_only_subtracts_the_mean() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 3.0])
     got = compute_advantages("grpo", rewards, group_size=4, scale_std=False)
     torch.testing.assert_close(got, torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, -1.0, -1.0, 1.0]))
+
+
+def test_dr_grpo_is_registered_with_its_length_unbiased_aggregation() -> None:
+    # mean only, no std option (it would do nothing), and the aggregation it is defined with
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 1.0, 3.0])
+    got = compute_advantages("dr_grpo", rewards, group_size=4)
+    torch.testing.assert_close(got, torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, -1.0, -1.0, 1.0]))
+    assert advantage_defaults("dr_grpo") == {}
+    assert advantage_aggregation("dr_grpo") == "seq-mean-token-sum-norm"
+    assert advantage_defaults("grpo") == {"scale_std": True}
+    assert advantage_aggregation("grpo") is None and advantage_aggregation("rloo") is None
 
 
 def test_rloo_leave_one_out() -> None:
@@ -85,6 +98,9 @@ def test_zero_variance_groups_rejects_bad_size() -> None:
 
 
 def test_registry() -> None:
-    assert {"grpo", "rloo"} <= set(available_advantages())
+    assert {"grpo", "dr_grpo", "rloo"} <= set(available_advantages())
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("grpo")(lambda grouped: grouped)
+    with pytest.raises(ValueError, match="already registered"):   # and no preset leaks in
+        register_advantage("rloo", aggregation="token-mean")(lambda grouped: grouped)
+    assert advantage_aggregation("rloo") is None

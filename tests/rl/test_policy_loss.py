@@ -10,8 +10,11 @@ import torch
 from fastdraft.rl.policy_loss import (
     PolicyBatch,
     aggregate,
+    available_aggregations,
     available_policy_losses,
+    finite_sequences,
     policy_loss,
+    policy_loss_defaults,
     register_policy_loss,
 )
 
@@ -197,6 +200,27 @@ def test_batch_validation(overrides, match) -> None:
 def test_option_errors(name, options, match) -> None:
     with pytest.raises(ValueError, match=match):
         policy_loss(name, make_batch(), **options)
+
+
+def test_finite_sequences_judge_masked_tokens_and_advantages() -> None:
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False],
+                         [False, False, False]])
+    old = torch.tensor([[0.0, 0.0, NAN], [0.0, math.inf, 0.0], [0.0, 0.0, 0.0], [NAN] * 3])
+    new = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [NAN, 0.0, 0.0], [0.0] * 3])
+    advantages = torch.tensor([1.0, 1.0, 1.0, NAN])
+    assert finite_sequences(mask, advantages, old, new, None).tolist() == [
+        True, False, False, False]   # NaN off the mask (row 0) does not count
+    # the batch built from the finite rows alone passes PolicyBatch's strict checks
+    keep = mask & finite_sequences(mask, advantages, old, new).unsqueeze(1)
+    PolicyBatch(logprobs=new, old_logprobs=old, advantages=advantages, mask=keep)
+
+
+def test_loss_options_and_aggregations_are_listed() -> None:
+    assert policy_loss_defaults("dapo")["clip_high"] == 0.28
+    assert policy_loss_defaults("dapo")["aggregation"] == "token-mean"
+    assert "clip_high" not in policy_loss_defaults("grpo")
+    assert available_aggregations() == ["seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                        "token-mean"]
 
 
 def test_registry() -> None:
