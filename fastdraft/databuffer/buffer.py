@@ -4,7 +4,9 @@ drafter training batches.
 The engine's sink calls `add` as requests finish (producer thread); the trainer calls `sample`
 (consumer thread); the RL loop calls `advance_step` at each step boundary and `set_reward` once
 rewards are known. Memory is bounded by a byte capacity that is never exceeded: adding evicts the
-oldest samples first (to the spill directory, when there is one).
+oldest samples first (to the spill directory, when there is one). A rollout longer than
+max_sample_tokens, or larger than the whole capacity, is held as windows (windows.py), each a
+sample of its own sharing the rollout's reward, never refused.
 
 Concurrency: one lock guards the in-memory state, held only for bookkeeping; batches are packed
 and files written outside it, so a spill never stalls the trainer's `sample`. Samples are
@@ -22,8 +24,9 @@ from pathlib import Path
 
 from fastdraft.databuffer.offset_sampler import select_offset
 from fastdraft.databuffer.packing import PackedBatch, pack, pack_rows
-from fastdraft.databuffer.sample import Sample, SampleKey
+from fastdraft.databuffer.sample import Sample, SampleKey, WindowKey
 from fastdraft.databuffer.spill import SpillStore, load_records
+from fastdraft.databuffer.windows import cut_windows, tokens_within
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,7 @@ class BufferStats:
     previous_samples: int    # added during the step before
     evicted_samples: int     # since construction
     spilled_samples: int     # written to the spill directory by this buffer
+    cut_samples: int = 0     # rollouts added as several windows, since construction
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,53 +66,70 @@ class DataBuffer:
     longest samples. seed: `sample` draws from one random.Random(seed), so a given sequence of
     calls yields the same batches. spill_dir: evicted samples, and all resident ones on `flush`,
     go to safetensors shards there (see spill.py); `DataBuffer.restore` reads them back.
+    max_sample_tokens: a longer rollout is added as windows of at most this many tokens (None:
+    only one larger than the capacity is cut, to windows that fit it).
     """
 
     def __init__(self, capacity_bytes: int, offset_mix: float = 0.5, seed: int = 0,
-                 spill_dir: str | Path | None = None, *, tail_fraction: float = 0.5) -> None:
+                 spill_dir: str | Path | None = None, *, tail_fraction: float = 0.5,
+                 max_sample_tokens: int | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"DataBuffer capacity_bytes must be >= 1, got {capacity_bytes}")
         if not 0.0 <= offset_mix <= 1.0:
             raise ValueError(f"DataBuffer offset_mix must be in [0, 1], got {offset_mix}")
         if not 0.0 < tail_fraction <= 1.0:
             raise ValueError(f"DataBuffer tail_fraction must be in (0, 1], got {tail_fraction}")
+        if max_sample_tokens is not None and max_sample_tokens < 2:
+            raise ValueError(f"DataBuffer max_sample_tokens must be >= 2 (one pair) or None, got "
+                             f"{max_sample_tokens}")
         self.capacity_bytes = capacity_bytes
+        self.max_sample_tokens = max_sample_tokens
         self.offset_mix = offset_mix
         self.tail_fraction = tail_fraction
         self._rng = random.Random(seed)
-        self._entries: OrderedDict[SampleKey, _Entry] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[WindowKey, _Entry] = OrderedDict()  # oldest first
+        self._windows: dict[SampleKey, list[WindowKey]] = {}   # a rollout's resident windows
         self._bytes = self._tokens = self._step = 0
-        self._evicted = 0
+        self._evicted = self._cut = 0
         self._spilled = 0  # guarded by _io_lock (stats reads it without)
         self._lock = threading.Lock()
         # Serialises this buffer's disk writes. Taken while `_lock` is still held, so a reward
         # set right after an eviction waits for the eviction's shard to reach the manifest.
         self._io_lock = threading.Lock()
         self._store = None if spill_dir is None else SpillStore(spill_dir)
-        self._on_disk: set[SampleKey] = (
-            set() if self._store is None else {r.key for r in self._store.manifest().records})
+        records = () if self._store is None else self._store.manifest().records
+        self._on_disk: set[WindowKey] = {r.window_key for r in records}
+        self._on_disk_requests: set[SampleKey] = {r.key for r in records}
 
     # -- producer side -------------------------------------------------------------------------
 
     def add(self, sample: Sample) -> list[SampleKey]:
-        """Adds a finished rollout to the current step, evicting the oldest samples as needed.
-        Returns the keys evicted. Raises ValueError for a sample larger than the whole capacity
-        or a key already held."""
-        if sample.nbytes > self.capacity_bytes:
-            raise ValueError(f"sample {sample.key} holds {sample.nbytes} bytes, more than the "
-                             f"DataBuffer capacity of {self.capacity_bytes}: raise "
-                             "capacity_bytes")
+        """Adds a finished rollout to the current step (as windows when it is longer than
+        max_sample_tokens or larger than the capacity), evicting the oldest samples as needed.
+        Returns the keys of the samples evicted (a rollout's key once per evicted window).
+        Raises ValueError for a key already held, or a capacity below one 2-token window."""
+        limit = tokens_within(sample, self.capacity_bytes)
+        if limit < 2:
+            raise ValueError(f"sample {sample.key}: a 2-token window of it takes "
+                             f"{2 * sample.nbytes // sample.num_tokens} bytes, more than the "
+                             f"DataBuffer capacity of {self.capacity_bytes}: raise capacity_bytes")
+        windows = cut_windows(sample, min(limit, self.max_sample_tokens or limit))
         with self._lock:
-            if sample.key in self._entries:
-                raise ValueError(f"sample {sample.key} (rl_step, request_index) is already in the "
-                                 "buffer: each finished request is added once")
+            for window in windows:
+                if window.window_key in self._entries:
+                    raise ValueError(f"sample {window.window_key} (rl_step, request_index, "
+                                     "first position) is already in the buffer: each finished "
+                                     "request is added once")
             evicted = []
-            while self._bytes + sample.nbytes > self.capacity_bytes:
-                evicted.append(self._pop_oldest())
-            self._entries[sample.key] = _Entry(sample, self._step)
-            self._bytes += sample.nbytes
-            self._tokens += sample.num_tokens
+            for window in windows:
+                while self._bytes + window.nbytes > self.capacity_bytes:
+                    evicted.append(self._pop_oldest())
+                self._entries[window.window_key] = _Entry(window, self._step)
+                self._windows.setdefault(window.key, []).append(window.window_key)
+                self._bytes += window.nbytes
+                self._tokens += window.num_tokens
             self._evicted += len(evicted)
+            self._cut += not (len(windows) == 1 and windows[0] is sample)
             claim = self._claim_for_disk(evicted)
         self._write(claim)
         return [e.sample.key for e in evicted]
@@ -120,15 +141,16 @@ class DataBuffer:
             raise ValueError(f"reward must be finite or None, got {reward}")
         reward = None if reward is None else float(reward)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
+            resident = self._windows.get(key, [])
+            for window_key in resident:   # every window of the rollout
+                entry = self._entries[window_key]
                 entry.sample = entry.sample.with_reward(reward)
-            on_disk = key in self._on_disk
+            on_disk = key in self._on_disk_requests
         if on_disk:
             assert self._store is not None
             with self._io_lock:
                 on_disk = self._store.set_reward(key, reward)
-        return entry is not None or on_disk
+        return bool(resident) or on_disk
 
     def advance_step(self) -> None:
         """Ends an RL step: this step's samples become the previous step's; older ones are no
@@ -174,11 +196,22 @@ class DataBuffer:
                 capacity_bytes=self.capacity_bytes, step=self._step,
                 current_samples=steps.count(self._step),
                 previous_samples=steps.count(self._step - 1),
-                evicted_samples=self._evicted, spilled_samples=self._spilled)
+                evicted_samples=self._evicted, spilled_samples=self._spilled,
+                cut_samples=self._cut)
 
     @property
     def step(self) -> int:
         return self._step
+
+    def rng_state(self) -> tuple:
+        """The sampling RNG's state (for an exact resume of the trainer)."""
+        with self._lock:
+            return self._rng.getstate()
+
+    def set_rng_state(self, state: tuple | list) -> None:
+        version, internal, gauss = state   # a checkpoint may hand the tuple back as lists
+        with self._lock:
+            self._rng.setstate((version, tuple(internal), gauss))
 
     def samples(self) -> list[Sample]:
         """The resident samples, oldest first (a snapshot)."""
@@ -205,7 +238,8 @@ class DataBuffer:
             used += r.nbytes
         kept.reverse()
         for r, sample in zip(kept, load_records(spill_dir, kept)):
-            buf._entries[sample.key] = _Entry(sample, r.added_step)
+            buf._entries[sample.window_key] = _Entry(sample, r.added_step)
+            buf._windows.setdefault(sample.key, []).append(sample.window_key)
             buf._bytes += sample.nbytes
             buf._tokens += sample.num_tokens
         buf._step = manifest.step
@@ -215,7 +249,11 @@ class DataBuffer:
 
     def _pop_oldest(self) -> _Entry:
         """With _lock held."""
-        _, entry = self._entries.popitem(last=False)
+        window_key, entry = self._entries.popitem(last=False)
+        windows = self._windows[entry.sample.key]
+        windows.remove(window_key)
+        if not windows:
+            del self._windows[entry.sample.key]
         self._bytes -= entry.sample.nbytes
         self._tokens -= entry.sample.num_tokens
         return entry
@@ -225,10 +263,12 @@ class DataBuffer:
         (released by _write) when there is something to write, or always (flush: the step)."""
         if self._store is None:
             return _Claim([], self._step, locked=False)
-        items = [(e.sample, e.step) for e in entries if e.sample.key not in self._on_disk]
+        items = [(e.sample, e.step) for e in entries
+                 if e.sample.window_key not in self._on_disk]
         if not items and not always:
             return _Claim([], self._step, locked=False)
-        self._on_disk.update(s.key for s, _ in items)
+        self._on_disk.update(s.window_key for s, _ in items)
+        self._on_disk_requests.update(s.key for s, _ in items)
         self._io_lock.acquire()
         return _Claim(items, self._step, locked=True)
 
@@ -244,6 +284,6 @@ class DataBuffer:
         except BaseException:
             self._io_lock.release()
             with self._lock:  # not on disk after all: a later flush retries them
-                self._on_disk.difference_update(s.key for s, _ in claim.items)
+                self._on_disk.difference_update(s.window_key for s, _ in claim.items)
             raise
         self._io_lock.release()

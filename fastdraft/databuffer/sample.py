@@ -16,6 +16,9 @@ import torch
 #: Identifies a sample for `DataBuffer.set_reward`: (rl_step, request_index). The RL step is part
 #: of the key because request indices restart every step in the engine.
 SampleKey = tuple[int, int]
+#: One window of a sample (Sample.window_key): (rl_step, request_index, first position). A long
+#: rollout is held as several windows; they share the SampleKey (one reward) and differ here.
+WindowKey = tuple[int, int, int]
 
 HIDDEN_DTYPE = torch.bfloat16
 
@@ -93,6 +96,15 @@ class Sample:
         return (self.rl_step, self.request_index)
 
     @property
+    def start(self) -> int:
+        """The first position held (0 unless the sample is a later window of a rollout)."""
+        return int(self.positions[0])
+
+    @property
+    def window_key(self) -> WindowKey:
+        return (self.rl_step, self.request_index, self.start)
+
+    @property
     def num_tokens(self) -> int:
         return self.token_ids.numel()
 
@@ -114,9 +126,17 @@ class Sample:
         sample is longer than a whole batch's token budget."""
         if not 1 <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot truncate a {self.num_tokens}-token sample to {num_tokens}")
-        if num_tokens == self.num_tokens:
+        return self.window(0, num_tokens)
+
+    def window(self, begin: int, end: int) -> Sample:
+        """Tokens [begin, end) with their own positions, hidden states and loss mask (views:
+        `_owned` copies them to their own storage, so the window pins only its bytes)."""
+        if not 0 <= begin < end <= self.num_tokens:
+            raise ValueError(f"window [{begin}, {end}) is not inside a {self.num_tokens}-token "
+                             "sample")
+        if (begin, end) == (0, self.num_tokens):
             return self
-        cut = slice(0, num_tokens)
+        cut = slice(begin, end)
         return replace(self, token_ids=self.token_ids[cut], positions=self.positions[cut],
                        hidden=self.hidden[cut], loss_mask=self.loss_mask[cut],
                        aux_hidden=tuple(a[cut] for a in self.aux_hidden))

@@ -33,7 +33,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fastdraft.databuffer.sample import Sample, SampleKey
+from fastdraft.databuffer.sample import Sample, SampleKey, WindowKey
 from fastdraft.utils.atomic import atomic_write_text, fsync_dir
 
 MANIFEST = "manifest.json"
@@ -54,10 +54,15 @@ class SpillRecord:
     reward: float | None
     nbytes: int
     num_aux: int
+    start: int = 0    # the sample's first position (a later window of a long rollout: > 0)
 
     @property
     def key(self) -> SampleKey:
         return (self.rl_step, self.request_index)
+
+    @property
+    def window_key(self) -> WindowKey:
+        return (self.rl_step, self.request_index, self.start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +72,9 @@ class Manifest:
     records: tuple[SpillRecord, ...]
 
     def latest(self) -> list[SpillRecord]:
-        """One record per key (the last written wins), in write order."""
-        last = {r.key: i for i, r in enumerate(self.records)}
-        return [r for i, r in enumerate(self.records) if last[r.key] == i]
+        """One record per window (the last written wins), in write order."""
+        last = {r.window_key: i for i, r in enumerate(self.records)}
+        return [r for i, r in enumerate(self.records) if last[r.window_key] == i]
 
 
 def read_manifest(root: str | Path) -> Manifest:
@@ -151,13 +156,14 @@ class SpillStore:
                         shard=name, slot=slot, rl_step=sample.rl_step,
                         request_index=sample.request_index, policy_version=sample.policy_version,
                         added_step=added_step, reward=sample.reward, nbytes=sample.nbytes,
-                        num_aux=len(sample.aux_hidden)))
+                        num_aux=len(sample.aux_hidden), start=sample.start))
                 _publish_shard(self.root, name, tensors)
                 next_shard += 1
             _write_manifest(self.root, Manifest(max(step, old.step), next_shard, tuple(records)))
 
     def set_reward(self, key: SampleKey, reward: float | None) -> bool:
-        """Sets the reward of every spilled record of `key`; False when none is on disk."""
+        """Sets the reward of every spilled record of `key` (each window of the rollout);
+        False when none is on disk."""
         with self._locked() as old:
             found = any(r.key == key for r in old.records)
             if found:

@@ -44,6 +44,15 @@ class HiddenRecord:
 
 
 HiddenSink = Callable[[HiddenRecord], None]
+#: (request indices, tokens each row committed) -> which rows the sink keeps. A sink that has a
+#: `wants` method of this shape (see `row_filter`) is asked before anything is copied, so rows
+#: it would drop (a byte budget, capture switched off) never leave the device.
+RowFilter = Callable[[list[int], list[int]], list[bool]]
+
+
+def row_filter(sink: HiddenSink) -> RowFilter | None:
+    """The sink's `wants`, if it has one (a plain function or list.append keeps every row)."""
+    return getattr(sink, "wants", None)
 
 
 def emit_records(sink: HiddenSink, request_indices: list[int], start_positions: list[int],
@@ -51,20 +60,35 @@ def emit_records(sink: HiddenSink, request_indices: list[int], start_positions: 
                  policy_version: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """Hands the sink one record per row with commits: row i kept the tokens kept[i] (after
     stop tokens and length limits cut its path), paired with final[i, :len(kept[i])] ([B, W, H]
-    device tensors, W >= every count). The rows are gathered and copied to the host once, then
-    cloned per record, so no record holds the step's device activations or the others' rows."""
-    width = max((len(k) for k in kept), default=0)
-    if not width:
+    device tensors, W >= every count). Rows the sink does not want (`row_filter`) are skipped;
+    the rest are gathered and copied to the host once, then cloned per record, so no record
+    holds the step's device activations or the others' rows."""
+    rows = [i for i, tokens in enumerate(kept) if tokens]
+    wants = row_filter(sink)
+    if wants is not None and rows:
+        verdicts = wants([request_indices[i] for i in rows], [len(kept[i]) for i in rows])
+        rows = [i for i, keep in zip(rows, verdicts) if keep]
+    if not rows:
         return
-    host = [t[: len(kept), :width].to("cpu", dtype) for t in (final, *aux)]
-    for row, (index, start, tokens) in enumerate(zip(request_indices, start_positions, kept)):
+    width = max(len(kept[i]) for i in rows)
+    host = _to_host((final, *aux), rows, width, dtype)
+    for j, row in enumerate(rows):
+        tokens, start = kept[row], start_positions[row]
         n = len(tokens)
-        if not n:
-            continue
         sink(HiddenRecord(
-            request_index=index, policy_version=policy_version,
+            request_index=request_indices[row], policy_version=policy_version,
             positions=torch.arange(start, start + n), token_ids=torch.tensor(tokens),
-            final=host[0][row, :n].clone(), aux=tuple(h[row, :n].clone() for h in host[1:])))
+            final=host[0][j, :n].clone(), aux=tuple(h[j, :n].clone() for h in host[1:])))
+
+
+def _to_host(tensors: tuple[torch.Tensor, ...], rows: list[int], width: int,
+             dtype: torch.dtype) -> list[torch.Tensor]:
+    """rows [:width] of each [B, W, H] tensor on the host in `dtype`: one gather on the device
+    (none when the rows are 0..n-1), then one copy of just those rows."""
+    if rows == list(range(len(rows))):
+        return [t[: len(rows), :width].to("cpu", dtype) for t in tensors]
+    index = torch.tensor(rows, device=tensors[0].device)
+    return [t[:, :width].index_select(0, index).to("cpu", dtype) for t in tensors]
 
 
 def emit_request_records(sink: HiddenSink, requests: list[Request], starts: list[int],

@@ -2,62 +2,118 @@
 states into DataBuffer samples as requests finish, lets the SpotWorker (a process of its own,
 trainer/worker.py) train while the step leaves compute idle (the rollout's long tail, the actor
 update), and publishes the new drafter into the engine at the step boundary, checksummed and
-versioned, after a health check.
+versioned, after a health check (rl/drafter_health.py).
+
+The run survives its drafter. A worker that dies, hangs past drafter.online.reply_timeout_s,
+raises, or publishes a non-finite drafter is logged (one line, drafter/worker_failures), killed
+and restarted from the last good drafter and its last trainer state while
+drafter.online.max_restarts allows; after that the run goes on with the last good drafter (or
+plain decoding) and captures and trains nothing. A bad publish never reaches the engine.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from fastdraft.config.sections import OnlineDrafterConfig
+from fastdraft.drafter.checkpoint import trainable_named_tensors
+from fastdraft.drafter.losses import LOSSES as KIND_LOSSES
 from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.rl.drafter_health import DrafterHealth, published_problem
+from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
 from fastdraft.trainer.collector import SampleCollector
-from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.worker import SpotWorker, WorkerSetup, pickle_state
-
-#: Accept length at or below this, over HEALTH_WINDOW steps, means the drafter is broken.
-COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.5, 3
+from fastdraft.trainer.spot import SpotConfig, SpotStats
+from fastdraft.trainer.worker import SpotWorker, WorkerFailure, WorkerSetup, pickle_state
 
 
 class OnlineDrafter:
     def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0,
-                 resume_state: dict | None = None) -> None:
+                 resume: dict | None = None) -> None:
+        """resume: the checkpoint's drafter state (`state_dict`): the engine's drafter, the
+        trainer's state, the health."""
         drafter = engine.model_drafter
         if drafter is None:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
                              "rollout.spec.method=eagle")
-        self.cfg = cfg
-        policy = engine.model
-        tied = policy.config.tie_word_embeddings
-        self.worker = SpotWorker(WorkerSetup(
-            drafter=drafter.detached(), policy_config=policy.config,
-            embed=policy.model.embed_tokens.weight.detach().cpu().clone(),
-            lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
-            spot=SpotConfig(loss=cfg.loss, lr=cfg.lr, token_budget=cfg.token_budget),
-            buffer_bytes=int(cfg.buffer_mb * 2**20), offset_mix=cfg.offset_mix, seed=seed,
-            num_threads=cfg.num_threads, max_steps_per_step=cfg.max_steps_per_step,
-            state=None if resume_state is None else pickle_state(resume_state)))
-        self.collector = SampleCollector(self.worker)
+        self.cfg, self.seed, self.engine = cfg, seed, engine
+        self.loss = online_loss(cfg.loss, drafter.kind)
+        self.device = cfg.device or str(next(engine.model.parameters()).device)
+        self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, token_budget=cfg.token_budget,
+                               device=self.device)   # checked here: a bad device fails now
+        self.spec = engine.spec   # what a re-probe switches back on after a fallback
+        self.health = DrafterHealth()
+        self.version = engine.drafter_version or 0   # of the last good drafter
+        resume = resume or {}
+        self.version = load_engine_drafter(engine, resume, self.version)
+        self._trainer_state: dict | None = resume.get("trainer")   # what a restart continues
+        self.health.load_state_dict(resume.get("health"), engine)
+        self.worker: SpotWorker | None = self._start_worker(self._trainer_state)
+        hidden = engine.config.hidden_size * 2 * (1 + len(drafter.aux_layers))  # bf16 rows
+        self.collector = SampleCollector(self, int(cfg.inflight_mb * 2**20), hidden + 16)
         self._remaining, self._threshold = 0, 0.0
         self._steps_at_start = 0
-        self.accept_history: list[float] = []
+        self._dropped_at_start = self._inbox_dropped = self._inbox_at_start = 0
         self.accept_at_publish: float | None = None
         self.pause_s = 0.0
 
+    def _start_worker(self, state: dict | None) -> SpotWorker:
+        engine, cfg = self.engine, self.cfg
+        policy, drafter = engine.model, engine.model_drafter
+        tied = policy.config.tie_word_embeddings
+        return SpotWorker(WorkerSetup(
+            drafter=drafter.detached(), policy_config=policy.config,
+            embed=policy.model.embed_tokens.weight.detach().cpu().clone(),
+            lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
+            spot=self.spot, buffer_bytes=int(cfg.buffer_mb * 2**20),
+            offset_mix=cfg.offset_mix, seed=self.seed, num_threads=cfg.num_threads,
+            max_steps_per_step=cfg.max_steps_per_step, max_sample_tokens=cfg.window_tokens,
+            state=None if state is None else pickle_state(state)),
+            reply_timeout_s=cfg.reply_timeout_s, inbox_samples=cfg.inbox_samples,
+            stats=SpotStats.of_state(state))
+
+    # --------------------------------------------------------------- the collector's buffer
+    def add(self, sample) -> None:
+        if self.worker is not None:
+            self.worker.add(sample)
+
+    def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
+        if self.worker is not None:
+            self.worker.set_reward(key, reward)
+
     @property
-    def on_hidden(self):
-        return self.collector.on_hidden
+    def consuming(self) -> bool:
+        """Whether anything will use what is captured: a worker, and a drafter that may serve
+        again (not a final fallback)."""
+        return self.worker is not None and not (self.health.fallback
+                                                and self.cfg.reprobe_every == 0)
+
+    @property
+    def on_hidden(self) -> SampleCollector | None:
+        """The engine's hidden-state sink; None (no capture at all) while nothing consumes."""
+        return self.collector if self.consuming else None
 
     # ----------------------------------------------------------------------------- rollout
     def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None:
-        self.worker.advance_step()
+        if self.worker is not None and not self.worker.alive:
+            self._fail(f"the drafter worker died (exit code {self.worker.process.exitcode})")
         self.collector.start_step(step)
-        self.worker.sync_policy(engine.model.named_parameters())
         self._remaining, self._threshold = num_requests, self.cfg.tail_fraction * num_requests
-        self._steps_at_start = self.worker.stats.steps
         self.pause_s = 0.0
+        self._dropped_at_start = self.collector.dropped_tokens
+        self._inbox_at_start = self._inbox_dropped_total()
+        if self.consuming:
+            self.worker.advance_step()
+            self.worker.sync_policy(engine.model.named_parameters())
+        self._steps_at_start = self._stats().steps
 
     def on_finish(self, completion: Completion) -> None:
+        if not self.consuming:
+            return
         self.collector.on_finish(completion)
         self._remaining -= 1
         if self._remaining < self._threshold:
@@ -65,52 +121,111 @@ class OnlineDrafter:
 
     def end_rollout(self, rewards: list[float]) -> None:
         self._pause()
-        self.collector.set_rewards(rewards)
+        if self.consuming:
+            self.collector.set_rewards(rewards)
 
     # ------------------------------------------------------------------------ actor update
     def start_update(self) -> None:
-        if self.cfg.during_update:
+        if self.cfg.during_update and self.consuming:
             self.worker.go()
 
     def end_update(self) -> None:
         self._pause()
 
     def close(self) -> None:
-        self.worker.close()
-
-    def trainer_state(self) -> dict | None:
-        """The trainer's own state for the run checkpoint (taken while it is paused)."""
-        return self.worker.state()
+        if self.worker is not None:
+            self.worker.close()
 
     def _pause(self) -> None:
         start = time.perf_counter()
-        self.worker.pause()
+        self._call("pause")
         self.pause_s += time.perf_counter() - start
+
+    # ------------------------------------------------------------------- worker failures
+    def _call(self, method: str, *args: Any) -> Any:
+        """worker.method(*args), or None when there is no worker or it failed (handled)."""
+        if self.worker is None:
+            return None
+        try:
+            return getattr(self.worker, method)(*args)
+        except WorkerFailure as err:
+            self._fail(str(err))
+            return None
+
+    def _fail(self, reason: str) -> None:
+        """The worker is gone (or must go): kill it, then restart it from the last good
+        drafter and the last trainer state, or go on without one."""
+        self.health.worker_failures += 1
+        self._inbox_dropped += self.worker.inbox_dropped
+        self.worker.close(timeout_s=1.0)   # broken: no long goodbye
+        stats, self.worker = self.worker.stats, None
+        if self.health.restarts >= self.cfg.max_restarts:
+            print(f"drafter: {reason.splitlines()[0]}; no restart left (drafter.online."
+                  f"max_restarts={self.cfg.max_restarts}): going on with drafter version "
+                  f"{self.version}, training and capturing nothing")
+            return
+        self.health.restarts += 1
+        print(f"drafter: {reason.splitlines()[0]}; restarting the worker from drafter version "
+              f"{self.version} (restart {self.health.restarts} of {self.cfg.max_restarts})")
+        good = dict(trainable_named_tensors(self.engine.model_drafter))
+        self.worker = self._start_worker({
+            **(self._trainer_state or {}), "drafter": good, "version": self.version,
+            "steps": stats.steps, "tokens": stats.tokens, "preemptions": stats.preemptions})
 
     # --------------------------------------------------------------------- publish, health
     def after_step(self, engine: RolloutEngine, accept_length: float | None
                    ) -> dict[str, float]:
         """At the step boundary: the health check, then (as `refresh` says) the new drafter
-        into the engine. Returns the step's drafter metrics."""
+        into the engine, or after a fallback (every reprobe_every steps) a re-probe of the
+        newest one. Returns the step's drafter metrics."""
         metrics = self._metrics()
-        if accept_length is None:   # speculation is off (or fell back): nothing to refresh
-            return metrics
-        if health_check(engine, self.accept_history, accept_length):
-            return {**metrics, "drafter/fallback": 1.0}
-        if self._should_refresh(accept_length):
-            published = self.worker.publish()
-            engine.load_drafter_weights(published.tensors, published.version,
-                                        checksum=published.checksum)
+        if self.health.observe(engine, accept_length):
+            self.health.trainer_steps_at_fallback = self._stats().steps
+        elif (self.health.due_for_reprobe(self.cfg.reprobe_every)
+              and self._stats().steps > self.health.trainer_steps_at_fallback
+              and self._publish(engine)):   # a drafter newer than the one given up on
+            self.health.resume_speculation(engine, self.spec)
+            print(f"drafter: speculation back on to re-probe drafter version {self.version}")
+            self.accept_at_publish = None
+            metrics["drafter/reprobed"] = 1.0
+        elif (not self.health.fallback and accept_length is not None
+              and self._should_refresh(accept_length) and self._publish(engine)):
             self.accept_at_publish = None   # set by the first step on the new drafter
             metrics["drafter/refreshed"] = 1.0
             metrics["drafter/accept_length_before_refresh"] = accept_length
-        elif self.accept_at_publish is None:
+        elif accept_length is not None and self.accept_at_publish is None:
             self.accept_at_publish = accept_length
-        return metrics
+        if metrics.get("drafter/refreshed") or metrics.get("drafter/reprobed"):
+            metrics.update(self._metrics())   # the publish may have topped the training up
+        return {**metrics, **self.health.metrics(),
+                "drafter/worker_alive": float(self.worker is not None and self.worker.alive)}
+
+    def _publish(self, engine: RolloutEngine) -> bool:
+        """The worker's newest drafter into the engine; False (the engine keeps the last good
+        one) when the worker fails or what it sent is not a sound drafter."""
+        published = self._call("publish", self.cfg.min_steps_per_step)
+        if published is None:
+            return False
+        problem, diverged = published_problem(published, engine)
+        if problem is None:
+            try:
+                engine.load_drafter_weights(published.tensors, published.version,
+                                            checksum=published.checksum)
+            except ValueError as err:   # corrupted on the way: nothing was loaded
+                problem = str(err)
+        if problem is not None:
+            self.health.rejected += 1
+            print(f"drafter: rejected drafter version {published.version}: {problem}; keeping "
+                  f"version {self.version}")
+            if diverged:   # the trainer itself is broken: start it again from the good drafter
+                self._fail(f"the drafter worker published a diverged drafter ({problem})")
+            return False
+        self.version = published.version
+        return True
 
     def _should_refresh(self, accept_length: float) -> bool:
-        if self.worker.stats.steps == 0:
-            return False
+        if self._stats().steps == 0 and not self.cfg.min_steps_per_step:
+            return False   # nothing trained yet: nothing new to publish
         if self.cfg.refresh == "every_step":
             return True
         if self.accept_at_publish is None:
@@ -118,59 +233,74 @@ class OnlineDrafter:
             return False
         return accept_length <= self.accept_at_publish - self.cfg.refresh_drop
 
+    # ------------------------------------------------------------------ state and metrics
+    def trainer_state(self) -> dict | None:
+        """The trainer's own state (taken while it is paused); the last one known when the
+        worker is gone."""
+        state = self._call("state")
+        if state is not None:
+            self._trainer_state = state
+        return self._trainer_state
+
+    def state_dict(self) -> dict[str, Any]:
+        """For the run checkpoint: the last good drafter (what the engine serves or, after a
+        fallback, would re-probe from), its version, the trainer's state, the health."""
+        state = {**engine_drafter_state(self.engine, self.version),
+                 "health": self.health.state_dict()}
+        trainer = self.trainer_state()
+        return state if trainer is None else {**state, "trainer": trainer}
+
+    def _stats(self) -> SpotStats:
+        return self.worker.stats if self.worker is not None else SpotStats.of_state(
+            self._trainer_state)
+
+    def _inbox_dropped_total(self) -> int:
+        return self._inbox_dropped + (self.worker.inbox_dropped if self.worker else 0)
+
     def _metrics(self) -> dict[str, float]:
-        stats, last = self.worker.stats, self.worker.stats.last
-        out = {"drafter/train_steps": float(stats.steps - self._steps_at_start),
+        stats, collector = self._stats(), self.collector
+        out = {"drafter/train_steps": float(max(stats.steps - self._steps_at_start, 0)),
                "drafter/train_tokens": float(stats.tokens),
                "drafter/preemptions": float(stats.preemptions),
-               "drafter/buffer_bytes": float(self.worker.buffer_bytes),
-               "drafter/pause_wait_s": self.pause_s}
-        if last:
-            out.update({"drafter/loss": last["loss"], "drafter/top1_acc": last["top1_acc"],
-                        "drafter/top3_acc": last["top3_acc"]})
+               "drafter/buffer_bytes": float(self.worker.buffer_bytes if self.worker else 0),
+               "drafter/pause_wait_s": self.pause_s,
+               "drafter/dropped_tokens": float(collector.dropped_tokens
+                                               - self._dropped_at_start),
+               "drafter/inbox_dropped": float(self._inbox_dropped_total()
+                                              - self._inbox_at_start),
+               "drafter/inflight_mb_peak": collector.peak_bytes / 2**20}
+        if stats.last:
+            out.update({"drafter/loss": stats.last["loss"],
+                        "drafter/top1_acc": stats.last["top1_acc"],
+                        "drafter/top3_acc": stats.last["top3_acc"]})
         if stats.preemption_latencies_s:
             out["drafter/preemption_latency_s"] = stats.preemption_latencies_s[-1]
-        if self.worker.rss_mb is not None:
+        if self.worker is not None and self.worker.rss_mb is not None:
             out["drafter/worker_rss_mb"] = self.worker.rss_mb
         return out
 
 
-def health_check(engine: RolloutEngine, history: list[float], accept_length: float) -> bool:
-    """Records the step's accept length; after HEALTH_WINDOW steps at or below
-    COLLAPSED_ACCEPT_LENGTH the engine falls back to plain decoding (True): a broken drafter
-    (zeroed, misloaded, or for another policy) must never make rollouts slower than plain."""
-    history.append(accept_length)
-    del history[:-HEALTH_WINDOW]   # all the check reads: a run of days keeps no more
-    if len(history) < HEALTH_WINDOW or max(history) > COLLAPSED_ACCEPT_LENGTH:
-        return False
-    engine.fall_back_to_plain(f"accept length {[round(a, 3) for a in history]} <= "
-                              f"{COLLAPSED_ACCEPT_LENGTH} for {HEALTH_WINDOW} steps: the "
-                              "drafter is broken")
-    print(f"drafter: falling back to plain decoding: {engine.fallback_reason}")
-    return True
+# ---------------------------------------------------------------------------------- helpers
+def online_loss(loss: str | None, kind: str) -> str:
+    """drafter.online.loss, or the drafter kind's own loss; a kind's loss for another kind is
+    refused here, before the worker would raise on its first micro-step."""
+    name = loss or kind
+    if name in KIND_LOSSES and name != kind:
+        raise ValueError(f"drafter.online.loss={name} trains an {name} drafter, but the run's "
+                         f"drafter is {kind}: set drafter.online.loss={kind} or reward_kd, or "
+                         "leave it unset (the drafter kind's own loss)")
+    return name
 
 
-class FixedDrafter:
-    """The loop's drafter side when the drafter is not trained online: the health check."""
-
-    on_hidden = None
-
-    def __init__(self) -> None:
-        self.accept_history: list[float] = []
-
-    def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None: ...
-    def on_finish(self, completion: Completion) -> None: ...
-    def end_rollout(self, rewards: list[float]) -> None: ...
-    def start_update(self) -> None: ...
-    def end_update(self) -> None: ...
-    def close(self) -> None: ...
-
-    def trainer_state(self) -> dict | None:
-        return None
-
-    def after_step(self, engine: RolloutEngine, accept_length: float | None
-                   ) -> dict[str, float]:
-        if accept_length is not None and health_check(engine, self.accept_history,
-                                                      accept_length):
-            return {"drafter/fallback": 1.0}
-        return {}
+def trainer_aux_layers(cfg: OnlineDrafterConfig, drafter_dir: Path | None) -> tuple[int, ...]:
+    """The policy layers whose inputs the online trainer's drafter reads (EAGLE-3; () for
+    EAGLE-1 or when nothing trains online): the engine must capture them for the trainer."""
+    if not cfg.enabled or drafter_dir is None:
+        return ()
+    from fastdraft.drafter import build_drafter
+    from fastdraft.drafter.checkpoint import CONFIG_FILE
+    from fastdraft.models import ModelConfig
+    meta = json.loads((Path(drafter_dir) / CONFIG_FILE).read_text())
+    with torch.device("meta"):   # only its shape is asked for: no weights allocated
+        drafter = build_drafter(meta["kind"], ModelConfig.from_hf_dict(meta["policy_config"]), 1)
+    return tuple(drafter.aux_layers)

@@ -6,10 +6,18 @@ token, often EOS, is never fed back to the policy), so its Sample holds the firs
 and their hidden states: every (hidden t, token t + 1) pair the drafter trains on, the one
 predicting the last token included. loss_mask marks the pairs whose prediction is an answer
 token (what the drafter drafts), as the offline warm-up does.
+
+Memory: the records of running requests wait here until their request finishes. At real size
+that is the whole rollout's hidden states (1024 requests x 1000 tokens x 32 KiB = 32 GB for an
+8B EAGLE-3 policy), so at most `budget_bytes` are held: the collector is the engine's sink with
+a `wants` filter (capture.row_filter), and rows that do not fit are refused before the engine
+copies them to the host, counted in `dropped_tokens`. A request that lost rows has gaps; each
+contiguous run of what was kept becomes a sample of its own (a window, positions kept).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import defaultdict
 
@@ -22,48 +30,120 @@ from fastdraft.engine.capture import HiddenRecord
 
 
 class SampleCollector:
-    def __init__(self, buffer: DataBuffer) -> None:
+    """buffer: where samples go (a DataBuffer, or the SpotWorker's producer side).
+    budget_bytes: hidden-state bytes of running requests held at most (None: no bound).
+    row_bytes: bytes of one captured token (its final and aux hidden rows, position and id),
+    for `wants` to decide before anything is copied; learnt from the first record if 0."""
+
+    def __init__(self, buffer: DataBuffer, budget_bytes: int | None = None,
+                 row_bytes: int = 0) -> None:
+        if budget_bytes is not None and budget_bytes < 1:
+            raise ValueError(f"SampleCollector budget_bytes must be >= 1, got {budget_bytes}")
         self.buffer = buffer
+        self.budget_bytes, self.row_bytes = budget_bytes, row_bytes
         self.rl_step = 0
         self._records: dict[int, list[HiddenRecord]] = defaultdict(list)
+        self._dropped: dict[int, int] = defaultdict(int)   # rows refused, per request
         self._lock = threading.Lock()
+        self.held_bytes = self.peak_bytes = 0
         self.num_added = 0
+        self.dropped_tokens = 0   # since construction
 
     def start_step(self, rl_step: int) -> None:
         """A new rollout: request indices restart at 0."""
         with self._lock:
             self.rl_step = rl_step
             self._records.clear()
+            self._dropped.clear()
+            self.held_bytes = 0
 
-    def on_hidden(self, record: HiddenRecord) -> None:
+    # ------------------------------------------------------------------- the engine's sink
+    def wants(self, request_indices: list[int], num_tokens: list[int]) -> list[bool]:
+        """Which of a step's rows fit the budget (in row order; the rest are counted as
+        dropped and never copied). Rows admitted here are handed to __call__ at once."""
         with self._lock:
-            self._records[record.request_index].append(record)
+            if self.budget_bytes is None:
+                return [True] * len(request_indices)
+            free = self.budget_bytes - self.held_bytes
+            out = []
+            for index, n in zip(request_indices, num_tokens):
+                need = n * self.row_bytes
+                out.append(need <= free)
+                if need <= free:
+                    free -= need
+                else:
+                    self._drop(index, n)
+            return out
 
+    def __call__(self, record: HiddenRecord) -> None:
+        n = record.positions.shape[0]
+        with self._lock:
+            if not self.row_bytes and n:
+                self.row_bytes = record.nbytes // n
+            # The budget holds even for an engine that does not ask `wants` first.
+            if self.budget_bytes is not None and (
+                    self.held_bytes + record.nbytes > self.budget_bytes):
+                self._drop(record.request_index, n)
+                return
+            self._records[record.request_index].append(record)
+            self.held_bytes += record.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    on_hidden = __call__   # the name the bench and older callers use
+
+    def _drop(self, index: int, n: int) -> None:
+        """With _lock held."""
+        self._dropped[index] += n
+        self.dropped_tokens += n
+
+    # ------------------------------------------------------------------------- finished
     def on_finish(self, completion: Completion) -> None:
         with self._lock:
             records = self._records.pop(completion.index, [])
+            dropped = self._dropped.pop(completion.index, 0)
+            self.held_bytes -= sum(r.nbytes for r in records)
         if not records:
             return
         sequence = completion.prompt_token_ids + completion.token_ids
-        positions = torch.cat([r.positions for r in records])
-        if positions.tolist() != list(range(len(sequence) - 1)):
-            raise RuntimeError(f"request {completion.index}: hidden-state records cover "
-                               f"positions {positions[:3].tolist()}.. of a {len(sequence)}-token "
-                               "sequence: the engine's capture lost a step")
         num = len(sequence) - 1
-        if num < 2:
-            return  # no (hidden t, token t + 1) pair to train on
-        loss_mask = torch.zeros(num, dtype=torch.bool)
-        loss_mask[first_drafted_pair(len(completion.prompt_token_ids)):] = True
-        aux_count = len(records[0].aux)
-        self.buffer.add(Sample(
-            request_index=completion.index, policy_version=records[0].policy_version,
-            rl_step=self.rl_step, token_ids=torch.tensor(sequence[:num]), positions=positions,
-            hidden=torch.cat([r.final for r in records]), loss_mask=loss_mask,
-            aux_hidden=tuple(torch.cat([r.aux[i] for r in records]) for i in range(aux_count))))
+        positions = torch.cat([r.positions for r in records])
+        if len(positions) + dropped != num or not _increasing_within(positions, num):
+            raise RuntimeError(f"request {completion.index}: hidden-state records cover "
+                               f"positions {positions[:3].tolist()}.. ({len(positions)} kept, "
+                               f"{dropped} dropped) of a {len(sequence)}-token sequence: the "
+                               "engine's capture lost a step")
+        final = torch.cat([r.final for r in records])
+        aux = [torch.cat([r.aux[i] for r in records]) for i in range(len(records[0].aux))]
+        first_scored = first_drafted_pair(len(completion.prompt_token_ids))
+        for begin, end in _runs(positions):
+            if end - begin < 2:
+                with self._lock:
+                    self.dropped_tokens += end - begin   # no (hidden t, token t + 1) pair
+                continue
+            at = positions[begin:end]
+            loss_mask = at >= first_scored
+            if not loss_mask.any():
+                continue   # prompt only: nothing the drafter drafts
+            self.buffer.add(Sample(
+                request_index=completion.index, policy_version=records[0].policy_version,
+                rl_step=self.rl_step, token_ids=torch.tensor(sequence)[at], positions=at,
+                hidden=final[begin:end], loss_mask=loss_mask,
+                aux_hidden=tuple(a[begin:end] for a in aux)))
         self.num_added += 1
 
     def set_rewards(self, rewards: list[float]) -> None:
         """The rollout's rewards, in request order."""
         for index, reward in enumerate(rewards):
             self.buffer.set_reward((self.rl_step, index), reward)
+
+
+def _increasing_within(positions: torch.Tensor, num: int) -> bool:
+    increasing = bool((positions[1:] > positions[:-1]).all())
+    return increasing and int(positions[0]) >= 0 and int(positions[-1]) < num
+
+
+def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """[begin, end) index ranges of the contiguous runs of increasing positions."""
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, len(positions)]
+    return list(itertools.pairwise(bounds))

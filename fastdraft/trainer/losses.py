@@ -50,6 +50,19 @@ class DraftBatch:
             if value is not None and value.shape != shape:
                 raise ValueError(f"DraftBatch.{name} must be [B, T] like input_ids")
 
+    def to(self, device: torch.device) -> DraftBatch:
+        """The batch on `device` (itself when already there)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+        return DraftBatch(move(self.input_ids),
+                          HiddenStates(move(self.hidden.final),
+                                       tuple(move(a) for a in self.hidden.aux)),
+                          move(self.valid), move(self.rewards), move(self.segments),
+                          move(self.positions))
+
     def sample_of_token(self) -> torch.Tensor:
         """[B, T] long: which sample each token belongs to."""
         if self.segments is not None:

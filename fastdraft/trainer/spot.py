@@ -7,11 +7,14 @@ from `stop` to return is recorded (`preemption_latencies_s`). It never touches t
 loop publishes at a step boundary. The trainer scores the drafter against its own copy of the
 policy's embedding and lm_head (`sync_policy`, at each step boundary), never the actor's live
 tensors, so an optimizer step of the actor cannot race with it.
+
+Device: the drafter, its optimizer and the policy head live on `SpotConfig.device`; the
+DataBuffer stays in host memory and each packed micro-batch is moved to the device as it is
+trained on. What leaves the trainer (published tensors, its state) is on the host.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,18 +32,23 @@ from fastdraft.utils.digest import tensor_digest
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SpotConfig:
     """loss: a registered drafter loss (trainer/losses.py); token_budget: tokens per packed
-    micro-batch; num_steps: unrolled steps of the loss (None: the drafter kind's default)."""
+    micro-batch; num_steps: unrolled steps of the loss (None: the drafter kind's default);
+    device: where the drafter trains (cpu, cuda, cuda:N)."""
 
     loss: str = "eagle1"
     lr: float = 3e-4
     token_budget: int = 2048
     grad_clip: float = 1.0
     num_steps: int | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.token_budget < 2 or self.grad_clip <= 0:
             raise ValueError("drafter online training: lr and grad_clip must be > 0 and "
                              "token_budget >= 2")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"drafter online training on {self.device!r}, but this machine "
+                             "has no CUDA device: set drafter.online.device=cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,16 @@ class SpotStats:
     preemptions: int = 0
     last: dict[str, float] = field(default_factory=dict)
     preemption_latencies_s: list[float] = field(default_factory=list)
+    device: str = "cpu"              # where the drafter trains (reported with every reply)
+
+    @classmethod
+    def of_state(cls, state: dict | None) -> SpotStats:
+        """The counters a saved trainer state (SpotTrainer.state) continues from."""
+        if state is None:
+            return cls()
+        steps = int(state.get("steps", 0))
+        return cls(steps=steps, steps_at_advance=steps, tokens=int(state.get("tokens", 0)),
+                   preemptions=int(state.get("preemptions", 0)))
 
 
 class PolicyHead(nn.Module):
@@ -88,11 +106,13 @@ class SpotTrainer:
     def __init__(self, drafter: Drafter, head: PolicyHead, buffer: DataBuffer,
                  cfg: SpotConfig = SpotConfig()) -> None:
         self.cfg, self.buffer = cfg, buffer
-        self.head = head
-        self.drafter = drafter.detached().attach(self.head).train()  # type: ignore[arg-type]
+        self.device = torch.device(cfg.device)
+        self.head = head.to(self.device)
+        self.drafter = drafter.detached().to(self.device).attach(  # type: ignore[arg-type]
+            self.head).train()
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0)
         self.version = 0
-        self.stats = SpotStats()
+        self.stats = SpotStats(device=str(next(self.drafter.parameters()).device))
         self._lock = threading.Lock()   # one micro-step at a time vs publish / sync
 
     def sync_policy(self, named_tensors) -> None:
@@ -131,7 +151,7 @@ class SpotTrainer:
         if packed is None:
             return False
         with self._lock:
-            batch = draft_batch(packed)
+            batch = draft_batch(packed).to(self.device)
             options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
             loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
                                                  self.head.lm_head, **options)
@@ -146,27 +166,41 @@ class SpotTrainer:
 
     def state(self) -> dict:
         """What a resumed run needs to continue training exactly here: the drafter's trainable
-        tensors, its optimizer, the version, counters, the RNG and the buffer's step (the
-        samples themselves are not kept: a resumed run refills the buffer in one step)."""
+        tensors, its optimizer, the version, counters, the RNGs (torch's and the buffer's
+        sampling one) and the buffer's step (the samples themselves are not kept: a resumed
+        run refills the buffer in one step). Tensors on the host."""
         with self._lock:
-            return {"drafter": {n: t.detach().clone()
-                                for n, t in trainable_named_tensors(self.drafter)},
-                    "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                    "version": self.version, "steps": self.stats.steps,
-                    "tokens": self.stats.tokens, "rng": torch.get_rng_state(),
-                    "buffer_step": self.buffer.step}
+            state = {"drafter": {n: t.detach().cpu().clone()
+                                 for n, t in trainable_named_tensors(self.drafter)},
+                     "optimizer": _to_host(self.optimizer.state_dict()),
+                     "version": self.version, "steps": self.stats.steps,
+                     "tokens": self.stats.tokens, "preemptions": self.stats.preemptions,
+                     "rng": torch.get_rng_state(), "buffer_rng": self.buffer.rng_state(),
+                     "buffer_step": self.buffer.step}
+            if self.device.type == "cuda":
+                state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+            return state
 
     def load_state(self, state: dict) -> None:
+        """Continues from `state`. Keys it lacks stay as built: a restart that has only the
+        last good drafter (no trainer state saved yet) passes drafter, version and counters."""
         with self._lock, torch.no_grad():
             params = dict(self.drafter.named_parameters())
             for name, tensor in state["drafter"].items():
                 params[name].copy_(tensor)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.version = int(state["version"])
-            self.stats.steps = self.stats.steps_at_advance = int(state["steps"])
-            self.stats.tokens = int(state["tokens"])
-            torch.set_rng_state(state["rng"])
-            while self.buffer.step < int(state["buffer_step"]):
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state.get("version", self.version))
+            counters = SpotStats.of_state(state)
+            self.stats.steps = self.stats.steps_at_advance = counters.steps
+            self.stats.tokens, self.stats.preemptions = counters.tokens, counters.preemptions
+            if "rng" in state:
+                torch.set_rng_state(state["rng"])
+            if "cuda_rng" in state and self.device.type == "cuda":
+                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+            if "buffer_rng" in state:
+                self.buffer.set_rng_state(state["buffer_rng"])
+            while self.buffer.step < int(state.get("buffer_step", 0)):
                 self.buffer.advance_step()
 
     def publish(self) -> Published:
@@ -192,6 +226,18 @@ class StopEvent(threading.Event):
 
 def _set_time(stop: threading.Event) -> float:
     return getattr(stop, "set_at", time.perf_counter()) or time.perf_counter()
+
+
+def _to_host(tree):
+    """A state tree with its tensors copied to the host (optimizer moments live on the
+    device; what leaves the trainer must not pin device memory or need CUDA to be read)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().clone()
+    if isinstance(tree, dict):
+        return {k: _to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_host(v) for v in tree)
+    return tree
 
 
 def draft_batch(packed: PackedBatch) -> DraftBatch:

@@ -16,7 +16,7 @@ def _check_invariants(buf: DataBuffer) -> None:
     assert stats.num_bytes <= buf.capacity_bytes
     assert stats.num_bytes == sum(s.nbytes for s in resident)
     assert stats.num_tokens == sum(s.num_tokens for s in resident)
-    assert stats.num_samples == len(resident) == len({s.key for s in resident})
+    assert stats.num_samples == len(resident) == len({s.window_key for s in resident})
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -31,11 +31,13 @@ def test_capacity_is_never_exceeded_under_random_operations(seed: int) -> None:
             n = rng.choice([rng.randint(1, 40), rng.randint(100, 130)])  # a few too large
             sample = make_sample(next_index, n, rl_step=step, num_aux=1)
             next_index += 1
-            if sample.nbytes > capacity:
-                before = buf.stats()
-                with pytest.raises(ValueError, match="raise capacity_bytes"):
-                    buf.add(sample)
-                assert buf.stats() == before
+            if sample.nbytes > capacity:   # held as windows that fit, never refused
+                cut_before = buf.stats().cut_samples
+                buf.add(sample)
+                keys.append(sample.key)
+                assert buf.stats().cut_samples == cut_before + 1
+                windows = [s for s in buf.samples() if s.key == sample.key]
+                assert windows and windows[-1].positions[-1] == n - 1   # the newest: the end
             else:
                 evicted = buf.add(sample)
                 keys.append(sample.key)
@@ -48,7 +50,6 @@ def test_capacity_is_never_exceeded_under_random_operations(seed: int) -> None:
                 assert buf.stats().current_samples + buf.stats().previous_samples == 0
                 continue
             assert batch.num_tokens <= budget and batch.input_ids.shape[1] <= budget
-            assert len(set(batch.keys)) == batch.num_sequences
             for key in batch.keys:  # single-threaded: all still resident, this or last step
                 assert key in resident and key[0] in (step, step - 1)
         elif op < 0.85:
@@ -74,9 +75,9 @@ def test_eviction_is_oldest_first_and_reported() -> None:
 
 
 def test_rejects_oversized_duplicate_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="raise capacity_bytes"):   # not even one pair fits
+        DataBuffer(sample_bytes(1)).add(make_sample(0, 11))
     buf = DataBuffer(sample_bytes(10))
-    with pytest.raises(ValueError, match="raise capacity_bytes"):
-        buf.add(make_sample(0, 11))
     buf.add(make_sample(0, 4))
     with pytest.raises(ValueError, match="already in the buffer"):
         buf.add(make_sample(0, 4))

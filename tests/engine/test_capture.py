@@ -99,3 +99,43 @@ def test_capture_aux_layers_are_checked(tiny_checkpoint):
     with pytest.raises(ValueError, match="one row per token"):
         HiddenRecord(request_index=0, policy_version=0, positions=torch.arange(3),
                      token_ids=torch.arange(2), final=torch.zeros(3, 4), aux=())
+
+
+class _Picky:
+    """A sink that wants only some requests' rows (a byte budget, capture switched off)."""
+
+    def __init__(self, keep: set[int]) -> None:
+        self.keep, self.asked, self.records = keep, [], []
+
+    def wants(self, request_indices: list[int], num_tokens: list[int]) -> list[bool]:
+        self.asked.append(list(zip(request_indices, num_tokens)))
+        return [i in self.keep for i in request_indices]
+
+    def __call__(self, record: HiddenRecord) -> None:
+        self.records.append(record)
+
+
+def test_rows_a_sink_does_not_want_are_neither_copied_nor_emitted(
+        tiny_checkpoint, random_drafter, monkeypatch):
+    import fastdraft.engine.capture as capture
+    path, _ = tiny_checkpoint
+    prompts = _prompts(5, seed=6)
+    params = SamplingParams(temperature=1.0, seed=0, max_new_tokens=10)
+    every: list[HiddenRecord] = []
+    _engine(path, "eagle", random_drafter, capture_aux_layers=AUX).generate(
+        prompts, params, on_hidden=every.append)
+    copied: list[int] = []   # rows copied to the host, per step
+    real = capture._to_host
+    monkeypatch.setattr(capture, "_to_host", lambda tensors, rows, *a: (
+        copied.append(len(rows)), real(tensors, rows, *a))[1])
+    sink = _Picky({1, 3})
+    _engine(path, "eagle", random_drafter, capture_aux_layers=AUX).generate(
+        prompts, params, on_hidden=sink)
+    assert {r.request_index for r in sink.records} == {1, 3}
+    assert sum(copied) == len(sink.records)   # one row copied per record kept, no more
+    assert sum(len(step) for step in sink.asked) > len(sink.records)   # others were refused
+    kept = [r for r in every if r.request_index in (1, 3)]   # the same rows as unfiltered
+    assert len(kept) == len(sink.records)
+    for a, b in zip(kept, sink.records):
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.final, b.final)
+        assert all(torch.equal(x, y) for x, y in zip(a.aux, b.aux))

@@ -14,9 +14,9 @@ from fastdraft.bootstrap.run import run_bootstrap
 from fastdraft.config import load_recipe
 from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.models import load_model
+from fastdraft.rl.drafter_health import HEALTH_WINDOW
 from fastdraft.rl.loop import train
 from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.online_drafter import HEALTH_WINDOW
 from fastdraft.rl.run import Run
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,17 @@ def test_a_zeroed_drafter_is_detected_and_rollouts_fall_back_to_plain(tmp_path, 
     params = SamplingParams(greedy=True, max_new_tokens=24)
     out = run.engine.generate([prompt], params)   # plain decoding now: nothing drafted
     plain = RolloutEngine(policy_dir, max_seq_len=run.engine.max_seq_len)
-    plain.load_weights(run.actor.named_parameters())
+    plain.load_weights(run.actor.full_parameters())
     assert len(drafts) == drafted and out[0].spec is None
     expected = plain.generate([prompt], params)[0]
     assert out[0].token_ids == expected.token_ids
+    # --resume keeps the fallback: no silent speculation with the drafter the run gave up on.
+    resumed = Run(load_recipe(Path("recipes/tiny-grpo.yaml"), [
+        f"model.path={policy_dir}", f"drafter.path={tmp_path / 'zeroed'}",
+        "drafter.online.enabled=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=48", f"algorithm.num_steps={HEALTH_WINDOW + 3}",
+        "logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
+        "drafter.export=false"]), tmp_path / "run", resume=True)
+    assert resumed.engine.spec.method == "none" and "broken" in resumed.engine.fallback_reason
+    assert resumed.drafter.health.fallback and resumed.drafter.health.fallbacks == 1
+    resumed.finish()

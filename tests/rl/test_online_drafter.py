@@ -9,7 +9,7 @@ import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.rl.loop import train
+from fastdraft.rl.loop import train, train_step
 from fastdraft.rl.metrics import read_metrics
 from fastdraft.rl.run import Run
 from tests.rl.test_loop import _cfg
@@ -19,7 +19,8 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
                                                                tmp_path):
     run = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_drafter}",
                    "drafter.online.enabled=true", "drafter.online.token_budget=64",
-                   "drafter.online.tail_fraction=1.0", "algorithm.num_steps=3"),
+                   "drafter.online.tail_fraction=1.0", "algorithm.num_steps=3",
+                   "drafter.online.max_steps_per_step=8"),
               tmp_path / "run")
     train(run)
     rows = read_metrics(tmp_path / "run")
@@ -41,7 +42,9 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
     trained = {n: t.clone() for n, t in trainable_named_tensors(run.engine.proposer.drafter)}
     # --resume puts the trained drafter (and its version) back into the engine.
     resumed = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_drafter}",
-                       "drafter.online.enabled=true", "algorithm.num_steps=4"),
+                       "drafter.online.enabled=true", "algorithm.num_steps=4",
+                       "drafter.online.token_budget=64", "drafter.online.tail_fraction=1.0",
+                       "drafter.online.max_steps_per_step=8"),
                   tmp_path / "run", resume=True)
     assert resumed.engine.drafter_version == run.engine.drafter_version
     for name, tensor in trainable_named_tensors(resumed.engine.proposer.drafter):
@@ -52,6 +55,12 @@ def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char
     assert state["version"] == len(refreshed) and state["optimizer"]["state"]
     for name, tensor in state["drafter"].items():
         assert torch.equal(tensor, trained[name]), name
+    # Its first step counts that step's micro-steps (at most the cap), not the run's, and the
+    # preemption count goes on from the checkpoint's.
+    step3 = train_step(resumed, 3)
+    assert 0 < step3["drafter/train_steps"] <= 8
+    assert step3["drafter/preemptions"] > rows[-1]["drafter/preemptions"]
+    assert step3["drafter/train_tokens"] > rows[-1]["drafter/train_tokens"]
     resumed.finish()
     # `fastdraft export` does it again from the run directory.
     from fastdraft.cli import main
@@ -98,7 +107,7 @@ def test_a_drafter_whose_checksum_does_not_match_is_not_loaded(char_policy, char
 
 def test_the_health_check_keeps_only_its_window(char_policy, char_drafter):
     """A healthy drafter over thousands of steps: no fallback, and the history stays bounded."""
-    from fastdraft.rl.online_drafter import HEALTH_WINDOW, health_check
+    from fastdraft.rl.drafter_health import HEALTH_WINDOW, health_check
     engine = _eagle_engine(char_policy, char_drafter)
     history: list[float] = []
     for step in range(5000):
@@ -107,3 +116,47 @@ def test_the_health_check_keeps_only_its_window(char_policy, char_drafter):
     for _ in range(HEALTH_WINDOW):   # then it collapses: detected within the window
         fell_back = health_check(engine, history, 1.0)
     assert fell_back and engine.spec.method == "none"
+
+
+def test_an_eagle3_drafter_trains_online_in_an_rl_run(char_policy, char_eagle3, tmp_path):
+    """The engine captures the aux layers the trainer's EAGLE-3 drafter reads, the online loss
+    follows the drafter's kind, and the drafter's version rises every step."""
+    run = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_eagle3}",
+                   "drafter.online.enabled=true", "drafter.online.token_budget=64",
+                   "drafter.online.tail_fraction=1.0", "algorithm.num_steps=3",
+                   "drafter.online.min_steps_per_step=2", "drafter.export=false"),
+              tmp_path / "run")
+    try:
+        aux = run.engine.model_drafter.aux_layers
+        assert len(aux) == 3 and run.engine.capture_aux_layers == aux
+        assert run.drafter.loss == "eagle3"
+        versions = []
+        for step in range(3):
+            metrics = train_step(run, step)
+            # at least the minimum, however little idle time this busy machine left
+            assert metrics["drafter/train_steps"] >= 2 and "drafter/top1_acc" in metrics
+            assert metrics["drafter/worker_failures"] == 0
+            versions.append(run.engine.drafter_version)
+    finally:
+        run.finish()
+    assert versions == [1, 2, 3]
+    rows = read_metrics(tmp_path / "run")
+    assert all(0 <= r["drafter/top1_acc"] <= 1 for r in rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
+
+
+def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_policy,
+                                                                       char_eagle3):
+    from fastdraft.config.sections import OnlineDrafterConfig
+    from fastdraft.rl.online_drafter import OnlineDrafter
+    engine = _eagle_engine(char_policy, char_eagle3)
+    with pytest.raises(ValueError, match=r"loss=eagle1 trains an eagle1 drafter"):
+        OnlineDrafter(OnlineDrafterConfig(enabled=True, loss="eagle1"), engine)
+    for loss, want in ((None, "eagle3"), ("reward_kd", "reward_kd")):
+        online = OnlineDrafter(OnlineDrafterConfig(enabled=True, loss=loss), engine)
+        online.close()
+        assert (online.loss, online.spot.loss) == (want, want)
+        assert online.device == online.spot.device == "cpu"   # the policy's device
+    if not torch.cuda.is_available():   # never a silent fallback to the host's cores
+        with pytest.raises(ValueError, match="no CUDA device"):
+            OnlineDrafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)

@@ -141,3 +141,32 @@ def test_a_run_whose_worker_died_still_exits(tiny_checkpoint):
     out = subprocess.run([sys.executable, "-c", _DEAD_WORKER, str(tiny_checkpoint[0])],
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "CLOSED" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_trainer_resumed_from_its_state_continues_exactly(tiny_checkpoint):
+    """Weights, optimizer moments, counters and the buffer's sampling RNG come back: the
+    resumed trainer draws the same batches and reaches the same weights as one never stopped."""
+    from fastdraft.trainer.worker import pickle_state, unpickle_state
+    policy, drafter = _setup(tiny_checkpoint)
+
+    def trainer(d):
+        buffer = DataBuffer(2**24, seed=0)
+        for s in _samples(policy, 16):
+            buffer.add(s)
+        return SpotTrainer(d, PolicyHead.of(policy), buffer, SpotConfig(token_budget=48))
+    first = trainer(drafter)
+    for _ in range(3):
+        first.step()
+    first.record_preemption(time.perf_counter())
+    state = unpickle_state(pickle_state(first.state()))   # as it crosses to the checkpoint
+    torch.manual_seed(1)
+    resumed = trainer(build_drafter("eagle1", policy.config, 128))   # other initial weights
+    resumed.load_state(state)
+    losses = [], []
+    for _ in range(4):
+        for t, out in zip((first, resumed), losses):
+            assert t.step()
+            out.append(t.stats.last["loss"])
+    assert losses[0] == losses[1]
+    assert tensor_digest(first.publish().tensors) == tensor_digest(resumed.publish().tensors)
+    assert (resumed.stats.steps, resumed.stats.preemptions, resumed.version) == (7, 1, 1)
