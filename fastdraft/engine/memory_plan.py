@@ -1,0 +1,296 @@
+"""The engine's memory plan: the bytes a RolloutEngine will hold on its device, from shapes alone
+(config.json, the envelope, the slot count, the dtype, the drafter's kind), so that a plan the
+device cannot hold is refused before anything is allocated.
+
+What it counts (EnginePlan):
+- weights: the policy in the serving dtype and its fp32 rotary tables (packing q/k/v and
+  gate/up re-points the parameters at views of the packed matrices: no second copy stays);
+- kv_cache: [layers, 2, slots, kv_heads, cache_len, head_dim] (model_runner.py), static: every
+  slot is sized for the longest sequence (prompt + answer + a tree's cells), however short
+  its answer turns out (a paged cache would hold only what answers use);
+- drafter_weights: EAGLE's own layers (it borrows the policy's embedding and lm_head) and its
+  draft head's rows of a draft vocabulary; drafter_kv: its one layer's slot cache and the
+  slots' root features;
+- step_buffers: StepIO's static tensors (step_io.py); the largest is the table of draft
+  probabilities [slots, 1 + nodes, vocab] fp32 that a sampled tree's q lands in;
+- step_scratch / graph_pool: an estimate of the transient tensors of the largest step (checked
+  on the CPU against the live bytes of real steps, tests/engine/test_engine_memory_plan.py). The
+  verify stage of a sampled tree dominates: logits [slots * (1 + nodes), vocab] in the serving
+  dtype and the rejection walk's fp32 tables of that size (scaled logits, the one-hot of
+  greedy rows, p, the stacked (p, q) pair, the log-softmax: VERIFY_FP32_COPIES), one layer's
+  activations of those rows, the walk's (p, q) state and the accepted path's logprob rows. A
+  sampled draft's q tables (spec/eagle.py) come next; top-k / top-p filtering adds its sort's
+  temporaries (not counted). On CUDA every captured stage shares one graph pool, which keeps
+  the largest captured stage's peak for good (graph_pool), plus GRAPH_POOL_SLACK: other
+  stages' kept outputs, cuBLAS workspaces, the pool's segment rounding (the 7B bench measured
+  826 MB for 44 graphs at batch <= 8, where the verify tables are ~0.1 GB); prefill is eager,
+  and its peak (step_scratch) returns to the allocator's cache. On the CPU every step's
+  scratch comes and goes: step_scratch is the largest peak, graph_pool 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from fastdraft.drafter import Drafter, build_drafter
+from fastdraft.drafter.checkpoint import CONFIG_FILE
+from fastdraft.engine.capture import forward_aux_layers
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.rng import Stream
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.utils.device_memory import GIB, Capacity, device_capacity, gb
+
+VERIFY_FP32_COPIES = 6
+GRAPH_POOL_SLACK = GIB
+_LONG, _FP32 = 8, 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterShape:
+    """What the plan needs of an EAGLE drafter: its kind and its draft vocabulary (None: all)."""
+
+    kind: str
+    draft_vocab: int | None = None
+
+    @classmethod
+    def read(cls, path: str | Path | None, proposer: object = None) -> DrafterShape | None:
+        """A given proposer's drafter (in memory), else drafter_config.json at path (no weights
+        read); None when there is none (loading the drafter then says why)."""
+        given = getattr(proposer, "drafter", None)
+        if isinstance(given, Drafter):
+            return cls.of(given)
+        file = Path(path) / CONFIG_FILE if path is not None else None
+        if file is None or not file.is_file():
+            return None
+        meta = json.loads(file.read_text())
+        ids = meta.get("draft_token_ids")
+        return cls(kind=meta["kind"], draft_vocab=None if ids is None else len(ids))
+
+    @classmethod
+    def of(cls, drafter: Drafter) -> DrafterShape:
+        ids = drafter.draft_token_ids
+        return cls(kind=drafter.kind, draft_vocab=None if ids is None else len(ids))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineShape:
+    """What an engine's memory depends on. weights and drafter_weights are counted once from
+    modules built on the meta device (plan_engine); the rest is arithmetic on the sizes."""
+
+    config: ModelConfig
+    envelope: Envelope
+    num_slots: int
+    dtype: torch.dtype
+    device: str
+    weights: int
+    drafter_weights: int = 0
+    drafts_on_device: bool = False      # an EAGLE drafter: its cache, roots and q tables
+    num_aux: int = 0                    # policy layers whose inputs a step keeps
+    max_prefill_tokens: int = 16384
+    graphs: bool = False
+
+    def plan(self) -> EnginePlan:
+        cfg, env, slots, width = self.config, self.envelope, self.num_slots, self.dtype.itemsize
+        kv_cell = 2 * cfg.num_key_value_heads * cfg.head_dim * width   # K and V, one layer
+        drafter_kv = (slots * (env.cache_len * kv_cell + cfg.hidden_size * width)
+                      if self.drafts_on_device else 0)
+        return EnginePlan(shape=self, weights=self.weights,
+                          kv_cache=cfg.num_hidden_layers * slots * env.cache_len * kv_cell,
+                          drafter_weights=self.drafter_weights, drafter_kv=drafter_kv,
+                          step_buffers=self._step_buffers(), **self._scratch())
+
+    def _step_buffers(self) -> int:
+        """StepIO's tensors, per slot (step_io.py, slot_state.py, spec/batch.py)."""
+        cfg, env, width = self.config, self.envelope, self.dtype.itemsize
+        cols, nodes = env.commit_width, env.max_tree_nodes
+        per_slot = (4 * _LONG                                   # rows in, on host and device
+                    + 4 + _LONG + 4 + 1 + _LONG * len(Stream)  # sampling settings and keys
+                    + (3 + 3 * cols) * 8                        # the transfer out, float64
+                    + (cols + 1) * _LONG                        # accepted ids and counts
+                    + (1 + self.num_aux) * cols * cfg.hidden_size * width)
+        if nodes:   # draft trees: tokens, parents, depths, ancestors, count, sources, sampled
+            per_slot += nodes * (3 * _LONG + 2) + nodes * nodes + _LONG
+            if self.drafts_on_device:   # the sampled trees' q (allocated on the first one)
+                per_slot += (nodes + 1) * cfg.vocab_size * _FP32
+        return self.num_slots * per_slot
+
+    def _scratch(self) -> dict[str, int]:
+        """graph_pool (captured stages, held for good) and step_scratch (eager, transient)."""
+        cfg, env, slots, width = self.config, self.envelope, self.num_slots, self.dtype.itemsize
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        # One layer's transients a token (residual, norm, q/k/v, attention out, gate/up and
+        # their product), and the hidden states a forward returns (final + aux).
+        act = (4 * hidden + 2 * q_size + 2 * kv_size + 4 * cfg.intermediate_size
+               + (1 + self.num_aux) * hidden) * width
+        nodes, depth, topk = env.max_tree_nodes, env.max_depth, env.max_topk
+        decode = slots * (vocab * (width + 3 * _FP32) + act)
+        verify = (slots * (1 + nodes) * (vocab * (width + VERIFY_FP32_COPIES * _FP32) + act)
+                  + slots * (2 * 2 + depth + 1) * vocab * _FP32)   # walk state, path rows
+        expanded = max(depth - 1, 0) * topk
+        draft = (slots * vocab * _FP32 * ((1 + expanded) + expanded + nodes + (nodes + 1))
+                 if self.drafts_on_device and nodes else 0)
+        prefill = max(self.max_prefill_tokens, env.max_seq_len) * act + slots * vocab * _FP32
+        captured = max(decode, verify if nodes else 0, draft)
+        if self.graphs:   # the pool keeps the captured peak; eager prefill needs its own
+            return {"graph_pool": captured + GRAPH_POOL_SLACK, "step_scratch": prefill}
+        return {"graph_pool": 0, "step_scratch": max(captured, prefill)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnginePlan:
+    """Bytes on the engine's device, by what holds them (see the module docstring)."""
+
+    shape: EngineShape = field(repr=False, compare=False)
+    weights: int
+    kv_cache: int
+    drafter_weights: int
+    drafter_kv: int
+    step_buffers: int
+    graph_pool: int        # CUDA graphs: the captured stages' scratch, held for good
+    step_scratch: int      # eager steps' transient peak (with graphs: prefill's)
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.step_scratch
+
+    @property
+    def resident(self) -> int:
+        """Held for the engine's life; step_scratch comes and goes, and returns to the
+        allocator's cache, which others in the process (the actor's rank 0) reuse."""
+        return (self.weights + self.kv_cache + self.drafter_weights + self.drafter_kv
+                + self.step_buffers + self.graph_pool)
+
+    def with_slots(self, num_slots: int) -> EnginePlan:
+        return replace(self.shape, num_slots=num_slots).plan()
+
+    def with_seq_len(self, max_seq_len: int) -> EnginePlan:
+        return replace(self.shape, envelope=replace(self.shape.envelope,
+                                                    max_seq_len=max_seq_len)).plan()
+
+    def max_slots_within(self, budget: int) -> int:
+        """The most slots (up to this plan's) whose plan fits in budget bytes; 0: none."""
+        return largest_fitting(1, self.shape.num_slots,
+                               lambda n: self.with_slots(n).total <= budget)
+
+    def max_seq_len_within(self, budget: int) -> int:
+        """The longest max_seq_len (up to this plan's) whose plan fits; 0: none."""
+        return largest_fitting(2, self.shape.envelope.max_seq_len,
+                               lambda t: self.with_seq_len(t).total <= budget)
+
+    def lines(self, capacity: Capacity | None = None) -> list[str]:
+        """One compact block: the head line (and the capacity it is checked against), then
+        the parts."""
+        s = self.shape
+        head = (f"engine memory plan ({s.device}, {str(s.dtype).removeprefix('torch.')}, "
+                f"{s.num_slots} slots x {s.envelope.cache_len} cells): {gb(self.total)}")
+        if capacity is not None:
+            head += f" of {capacity.describe()}"
+        parts = [f"weights {gb(self.weights)}", f"KV cache {gb(self.kv_cache)}"]
+        if s.drafts_on_device:
+            parts.append(f"drafter {gb(self.drafter_weights)} + KV {gb(self.drafter_kv)}")
+        parts.append(f"step buffers {gb(self.step_buffers)}")
+        if s.graphs:
+            parts.append(f"graph pool ~{gb(self.graph_pool)}")
+        parts.append(f"{'prefill' if s.graphs else 'step'} scratch ~{gb(self.step_scratch)}")
+        return [head, "  " + " | ".join(parts)]
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {"device": self.shape.device,
+                "dtype": str(self.shape.dtype).removeprefix("torch."),
+                "num_slots": self.shape.num_slots, "cache_len": self.shape.envelope.cache_len,
+                "weights": self.weights, "kv_cache": self.kv_cache,
+                "drafter_weights": self.drafter_weights, "drafter_kv": self.drafter_kv,
+                "step_buffers": self.step_buffers, "graph_pool": self.graph_pool,
+                "step_scratch": self.step_scratch, "total": self.total}
+
+
+def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
+                dtype: torch.dtype, device: str | torch.device, spec: SpecConfig,
+                drafter: DrafterShape | None = None, capture_aux_layers: tuple[int, ...] = (),
+                max_prefill_tokens: int = 16384, graphs: bool | None = None) -> EnginePlan:
+    """The plan of RolloutEngine(...) with these settings; drafter: the EAGLE drafter's shape
+    when spec drafts with one (None: no drafter memory is planned)."""
+    device = str(torch.device(device))
+    with torch.device("meta"):   # shapes only: nothing is allocated
+        policy = CausalLM(config, envelope.rope_len)
+        eagle = (build_drafter(drafter.kind, config, envelope.rope_len)
+                 if drafter is not None and spec.uses_drafter else None)
+    width = dtype.itemsize
+    weights = _param_count(policy) * width + _buffer_count(policy) * _FP32
+    drafter_weights, drafter_aux = 0, ()
+    if eagle is not None:   # load_drafter casts its rotary tables to the dtype too
+        drafter_weights = (_param_count(eagle) + _buffer_count(eagle)
+                           + (drafter.draft_vocab or 0) * config.hidden_size) * width
+        drafter_aux = tuple(eagle.aux_layers)
+    aux = forward_aux_layers(drafter_aux, tuple(capture_aux_layers), config.num_hidden_layers)
+    shape = EngineShape(config=config, envelope=envelope, num_slots=num_slots, dtype=dtype,
+                        device=device, weights=weights, drafter_weights=drafter_weights,
+                        drafts_on_device=eagle is not None, num_aux=len(aux),
+                        max_prefill_tokens=max(max_prefill_tokens, envelope.max_seq_len),
+                        graphs=device.startswith("cuda") if graphs is None else graphs)
+    return shape.plan()
+
+
+def check_engine_plan(plan: EnginePlan, capacity: Capacity, resident: int = 0) -> None:
+    """Refuses a plan whose bytes still to allocate (total - resident: what is in memory
+    already, e.g. an in-memory model's weights) exceed what the capacity leaves usable, with
+    the slot count and sequence length that would fit."""
+    if plan.total - resident <= capacity.usable:
+        return
+    budget = capacity.usable + resident
+    s = plan.shape
+    cell = plan.kv_cache // max(s.num_slots * s.envelope.cache_len, 1)
+    need = plan.total - resident
+    message = (f"the engine's memory plan needs {gb(need)} more, but {capacity.describe()}"
+               f"; its KV cache alone is {gb(plan.kv_cache)} ({s.num_slots} slots x "
+               f"{s.envelope.cache_len} cells x {gb(cell)}: every slot holds the longest "
+               "sequence). ")
+    slots, seq_len = plan.max_slots_within(budget), plan.max_seq_len_within(budget)
+    fixes = []
+    if slots:
+        fixes.append(f"rollout.max_batch_size (the engine's max_batch_size) to <= {slots} "
+                     f"(slots that fit at max_seq_len {s.envelope.max_seq_len})")
+    if seq_len:
+        fixes.append(f"rollout.max_seq_len (prompt + rollout.max_new_tokens) to <= {seq_len} "
+                     f"tokens (what fits at {s.num_slots} slots)")
+    if not fixes:
+        raise ValueError(message + f"Not even one slot fits beside the weights "
+                         f"({gb(plan.weights)}): use a device with more memory or a smaller "
+                         "model.dtype")
+    raise ValueError(message + "Lower " + ", or ".join(fixes))
+
+
+def check_engine_fits(plan: EnginePlan, device: str | torch.device, reserved: int = 0,
+                      resident: int = 0) -> None:
+    """Prints the plan against `device`'s capacity (reserved: bytes kept for others there) and
+    refuses it if it does not fit."""
+    capacity = device_capacity(device, reserved)
+    print("\n".join(plan.lines(capacity)))
+    check_engine_plan(plan, capacity, resident)
+
+
+def largest_fitting(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [low, high] with fits(n) (fits is monotone: true up to some n); 0 when
+    even low does not fit."""
+    if high < low or not fits(low):
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())   # tied parameters count once
+
+
+def _buffer_count(module: torch.nn.Module) -> int:
+    return sum(b.numel() for b in module.buffers())

@@ -1,0 +1,166 @@
+"""The actor's memory plan (a 7B shape over 8 ranks, by hand), its activation estimate against
+the tensors autograd really saves, and the run plan's refusal naming what to change."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fastdraft.bench.real_shapes import shape_config
+from fastdraft.config.sections import ActorConfig
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.memory_plan import DrafterShape, plan_engine
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.rl.logprobs import logprobs_of, next_token_logits
+from fastdraft.rl.memory_plan import ActorPlan, RunPlan, check_run_plan
+from fastdraft.utils.device_memory import GB, Capacity
+
+BF16_8_RANKS = ActorConfig(compute_dtype="bfloat16", num_ranks=8, micro_batch_tokens=2048)
+
+
+def test_actor_plan_of_a_7b_shape_over_8_ranks():
+    cfg = shape_config("qwen2.5-7b")   # h 3584, I 18944, 28 layers, 28 / 4 heads, V 152064
+    plan = ActorPlan.of(cfg, BF16_8_RANKS, kl_coef=0.001, max_seq_len=2048)
+    h, inter, vocab, q, kv = 3584, 18944, 152064, 28 * 128, 4 * 128
+    layer = h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * inter + 2 * h   # qkv bias
+    root = 2 * vocab * h + h                       # embedding, lm_head (untied), final norm
+    params = 28 * layer + root
+    assert params == 7_615_616_512
+    shard = -(-params // 8)
+    assert plan.masters == plan.grads == 4 * shard   # fp32, 1/8 each
+    assert plan.reference == 2 * shard               # frozen: bf16, 1/8
+    assert plan.optimizer == 8 * shard               # two fp32 moments
+    assert plan.state == 14 * shard and 7.6e9 < plan.state < 7.7e9 * 2
+    assert plan.host == 12 * params                                     # rank 0's snapshot
+    assert plan.gathered == 2 * (2 * root + 2 * layer) + 4 * layer
+    per_token_layer = 2 * 8 * h + 2 * (2 * q + 2 * kv) + 4 * 28 + 8 * inter
+    assert plan.activations == 2048 * (28 * per_token_layer + 8 * h)
+    assert plan.logits == 2048 * vocab * 6                               # bf16 + fp32 / T
+    reference_forward = 2 * (root + 2 * layer) + 2048 * vocab * 10
+    assert plan.logits_backward == max(2048 * vocab * 12, reference_forward)
+    assert plan.push == 4 * vocab * h                                    # the largest parameter
+    assert plan.per_rank_bytes == plan.state + plan.grads + plan.gathered + plan.activations \
+        + plan.logits + plan.logits_backward
+    # No KL: no reference; more ranks: smaller shards, the same activations.
+    no_kl = ActorPlan.of(cfg, BF16_8_RANKS, kl_coef=0.0, max_seq_len=2048)
+    assert no_kl.reference == 0 and no_kl.state == plan.state - plan.reference
+    assert plan.with_ranks(16).masters == 4 * -(-params // 16)
+    assert plan.with_ranks(16).activations == plan.activations
+
+
+def test_a_micro_batch_holds_at_least_one_whole_sequence():
+    cfg = shape_config("qwen2.5-7b")
+    short = ActorPlan.of(cfg, BF16_8_RANKS, 0.0, max_seq_len=3072)
+    assert short.shape.tokens == 3072   # rl/sequences.py: a longer row gets its own micro-batch
+    assert short.activations > ActorPlan.of(cfg, BF16_8_RANKS, 0.0, 2048).activations
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_activation_estimate_is_what_autograd_saves(dtype, name, model_type):
+    """The actor's forward (next_token_logits + logprobs_of), its saved tensors counted by
+    storage, against activations + the fp32 logits the loss keeps."""
+    hf = dict(model_type=model_type, vocab_size=512, hidden_size=128, intermediate_size=384,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              tie_word_embeddings=False, **({"head_dim": 64} if model_type == "qwen3" else {}))
+    cfg = ModelConfig.from_hf_dict(hf)
+    model = CausalLM(cfg, 256).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, 512, (4, 65))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs_of(next_token_logits(model, ids), ids, temperature=1.0).sum().backward()
+    actor = ActorConfig(compute_dtype=name, num_ranks=2, micro_batch_tokens=4 * 65)
+    plan = ActorPlan.of(cfg, actor, 0.0)
+    expected = plan.activations + 4 * 64 * 512 * 4   # + the fp32 logits / T
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.03)
+
+
+QWEN3_8B = ModelConfig.from_hf_dict(dict(
+    model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    tie_word_embeddings=False))
+SPEC = SpecConfig(method="eagle", depth=6, topk=4, tokens_to_verify=16)
+
+
+def _run_plan(slots: int, max_seq_len: int, tokens: int, device: str = "cuda:0") -> RunPlan:
+    engine = plan_engine(QWEN3_8B, envelope=Envelope.for_spec(max_seq_len, SPEC),
+                         num_slots=slots, dtype=torch.bfloat16, device=device, spec=SPEC,
+                         drafter=DrafterShape(kind="eagle3", draft_vocab=32768))
+    actor = ActorPlan.of(QWEN3_8B, ActorConfig(compute_dtype="bfloat16", num_ranks=8,
+                                               micro_batch_tokens=tokens), 0.0, max_seq_len)
+    return RunPlan(engine=engine, actor=actor)
+
+
+def test_run_plan_puts_engine_and_rank_0_on_one_device():
+    plan = _run_plan(32, 2048, 2048)
+    engine, actor = plan.engine, plan.actor
+    # rollout (engine steps) and update (actor) never overlap: the larger transient counts
+    assert plan.device0_bytes == (engine.resident + actor.state
+                                  + max(engine.step_scratch, actor.transient))
+    assert plan.engine_reserve + engine.total == plan.device0_bytes
+    # here the update's peak is the larger: the engine's prefill scratch is reused by it
+    assert actor.transient > engine.step_scratch
+    assert plan.device0_bytes == engine.resident + actor.per_rank_bytes
+
+
+def test_run_plan_refusal_names_settings_that_fit():
+    usable = Capacity.of("cuda:0", 80 * GB).usable
+    fitting = _run_plan(32, 2048, 2048)
+    check_run_plan(fitting.engine, fitting.actor, usable)
+    crowded = _run_plan(256, 2048, 2048)
+    with pytest.raises(ValueError) as err:
+        check_run_plan(crowded.engine, crowded.actor, usable)
+    message = str(err.value)
+    assert "device 0 (the engine and the actor's rank 0)" in message
+    slots = int(re.search(r"rollout\.max_batch_size to <= (\d+)", message).group(1))
+    assert crowded.replan(slots=slots).fits(usable)
+    assert not crowded.replan(slots=slots + 1).fits(usable)
+    # The old 8B recipe: no single setting is enough, two together are.
+    old = _run_plan(256, 3072, 16384)
+    with pytest.raises(ValueError, match=r"Together: lower actor\.micro_batch_tokens to 3072 "
+                                         r"\(one longest sequence\) and rollout\.max_batch_size "
+                                         r"to <= (\d+)") as err:
+        check_run_plan(old.engine, old.actor, usable)
+    slots = int(re.search(r"max_batch_size to <= (\d+)", str(err.value)).group(1))
+    assert old.replan(tokens=3072, slots=slots).fits(usable)
+
+
+def test_ranks_that_do_not_fit_name_num_ranks():
+    plan = _run_plan(8, 2048, 2048)
+    actor = plan.actor.with_ranks(2)   # 16 x 8.19B / 2 = 65.5 GB of state a rank
+    with pytest.raises(ValueError, match=r"each other rank's device.*raise actor\.num_ranks to "
+                                         r">= \d+"):
+        check_run_plan(plan.engine, actor, Capacity.of("cuda:0", 80 * GB).usable)
+
+
+def test_cpu_run_plan_shares_one_ram():
+    plan = _run_plan(4, 256, 256, device="cpu")
+    ranks = plan.actor.shape.num_ranks
+    assert plan.on_cpu
+    assert plan.device0_bytes == (plan.engine.resident + ranks * plan.actor.state
+                                  + plan.actor.host
+                                  + max(plan.engine.step_scratch, ranks * plan.actor.transient))
+
+
+def test_activation_checkpointing_keeps_one_layer_input_a_token_per_layer():
+    cfg = shape_config("qwen2.5-7b")
+    full = ActorPlan.of(cfg, BF16_8_RANKS, kl_coef=0.0, max_seq_len=2048)
+    kept = ActorPlan.of(cfg, replace(BF16_8_RANKS, activation_checkpointing=True), kl_coef=0.0,
+                        max_seq_len=2048)
+    per_token_layer = full.activations // 2048 // 28   # (roughly: the final norm aside)
+    assert kept.activations == 2048 * (28 * 2 * 3584 + (2 * 8 * 3584 + 8 * 18944
+                                       + 2 * (2 * 28 * 128 + 2 * 4 * 128) + 4 * 28)
+                                       + 8 * 3584)
+    assert kept.activations * 10 < full.activations and per_token_layer > 0
