@@ -1,4 +1,5 @@
-"""The bootstrapped tiny policy: its spec, its data encoding and its supervised training loop.
+"""The bootstrapped tiny policy: its model, its data encoding and its supervised training loop
+(what it trains: ``spec.py``).
 
 No machine here downloads a model, so the CPU recipe trains its own policy for about 100 s on a
 verifiable synthetic task (``modsum``), deterministically (``determinism.py``). The policy is
@@ -14,132 +15,40 @@ solution tokens and the final ``<eos>``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from fastdraft.bootstrap.determinism import deterministic_cpu
+from fastdraft.bootstrap.spec import BootstrapSpec
 from fastdraft.bootstrap.tokenizer import DEFAULT_ALPHABET, vocab_size_for
 from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.models.config import FAMILIES
 from fastdraft.rl.tasks import Problem, Task, get_task
 from fastdraft.utils.schedule import warmup_cosine_lr
 
-#: Bumped whenever encoding or training changes meaning, so stale caches are not reused.
-#: 2: deterministic training (pinned threads, forked init RNG), weights digest in the report.
-#: 3: restarts from a fresh init when an attempt stays on the learning plateau.
-FORMAT_VERSION = 3
 IGNORE_INDEX = -100
 EOS_ID, BOS_ID = 1, 2
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BootstrapSpec:
-    """Model size and training schedule of the bootstrap policy (defaults: the real run).
-
-    The defaults train in ~100 s on 2 CPU cores (it was 1000 steps x 64 problems, ~300 s) and
-    land greedy held-out accuracy at ~30%: ~50% on 3-5 term problems, chance on long ones, so RL
-    has a signal and room to improve; tests pass a tiny spec.
-    ``bucket_batches``: batches drawn at once and sorted by length before being split, so a batch
-    pads to similar lengths instead of to the one rare long problem it happens to hold.
-    ``thin_above_tokens``, ``thin_keep``: problems longer than this (prompt + solution + EOS;
-    22 = modsum's 5 terms) are kept with probability ``thin_keep``. Accuracy is learnt on the
-    short problems first, while the long ones cost most of the compute (per token, plus padding
-    and quadratic attention); a quarter of them still teach the answer format at every length,
-    so greedy answer lengths keep the task's long tail.
-    ``num_threads``: torch intra-op threads for training and evaluation, whatever the machine
-    has: CPU kernels may split reductions by thread count, so the count is pinned, recorded and
-    part of the digest (``determinism.py``).
-    ``restart_after``, ``restart_below``, ``max_attempts``: modsum is learnt through a plateau
-    (loss ~0.72, dev exact match ~1%) that an initialisation leaves after 300-650 steps, or
-    not within 1600: seed 0 escaped at step 650 on one machine and never on another (AMD EPYC,
-    AVX2: 1 or 2 threads, three learning rates, up to 1600 steps), where seed 1 escaped by 425
-    (dev 4% at 300, 16% at 400) and seed 1 at 2 threads was at 9% by 500. Which init escapes
-    depends on the CPU's arithmetic, so an attempt whose dev exact match is still below
-    ``restart_below`` at step ``restart_after`` is abandoned (the stuck ones measured 0-1.6%
-    there) and training starts again from a fresh init and data stream (attempt k uses
-    seed + k), up to ``max_attempts``; the last attempt trains its full ``steps``.
-    """
-
-    task: str = "modsum"
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_layers: int = 8
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    steps: int = 1000
-    batch_size: int = 48
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.05
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    bucket_batches: int = 32
-    thin_above_tokens: int = 22
-    thin_keep: float = 0.25
-    stop_at_short_accuracy: float = 0.35
-    restart_after: int = 500
-    restart_below: float = 0.04
-    max_attempts: int = 3
-    check_every: int = 25
-    num_dev: int = 128
-    num_threads: int = 2
-    num_heldout: int = 512
-    eval_batch_size: int = 128
-    max_new_tokens: int = 160
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "steps", "batch_size", "bucket_batches", "check_every", "num_dev",
-                     "num_threads", "num_heldout", "eval_batch_size", "max_new_tokens",
-                     "restart_after", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BootstrapSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_heads={self.num_heads}: change one of them")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}: change one of them")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
-        if not 0 <= self.stop_at_short_accuracy <= 1:
-            raise ValueError(f"stop_at_short_accuracy={self.stop_at_short_accuracy} must be in "
-                             "[0, 1] (0 trains all steps)")
-        if not 0 <= self.restart_below <= 1:
-            raise ValueError(f"restart_below={self.restart_below} must be in [0, 1] (0 never "
-                             "restarts)")
-        if not 0 < self.thin_keep <= 1:
-            raise ValueError(f"thin_keep={self.thin_keep} must be in (0, 1] (1 keeps every "
-                             "long problem)")
-
-    def digest(self, seed: int) -> str:
-        """Short hash of spec + seed + format version: the cache key of a trained policy."""
-        blob = json.dumps({"spec": asdict(self), "seed": seed, "format": FORMAT_VERSION},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
 def model_config(spec: BootstrapSpec) -> ModelConfig:
-    """Qwen2 config of the policy; the vocabulary is the default char tokenizer's."""
+    """The policy's config (Qwen2 or Qwen3 per ``spec.architecture``); the vocabulary is the
+    default char tokenizer's. The family's switches (Qwen2: qkv bias; Qwen3: QK-norm, no bias)
+    come from the same reader that loads its config.json, so the trained model is exactly what
+    a reload of the checkpoint builds."""
     return ModelConfig(
-        model_type="qwen2", vocab_size=vocab_size_for(DEFAULT_ALPHABET),
+        model_type=spec.architecture, vocab_size=vocab_size_for(DEFAULT_ALPHABET),
         hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, head_dim=spec.hidden_size // spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.attention_head_dim,
         rope_theta=spec.rope_theta, max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True, eos_token_ids=(EOS_ID,), bos_token_id=BOS_ID,
-        qkv_bias=True)
+        **FAMILIES[spec.architecture]({}))
 
 
 def init_weights(model: CausalLM, std: float = 0.02) -> None:

@@ -1,4 +1,4 @@
-"""``fastdraft bootstrap``: train once and cache the tiny CPU policy, with a report of its quality.
+"""``fastdraft bootstrap``: train once and cache a tiny CPU policy, with a report of its quality.
 
 The result lives in ``<cache>/bootstrap/<task>-<digest>/`` (``policy/`` = an HF checkpoint dir with
 tokenizer and generation_config.json, plus ``report.json``); the digest covers the spec, the seed
@@ -25,13 +25,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from fastdraft.bootstrap.determinism import deterministic_cpu, runtime_info, weights_digest
-from fastdraft.bootstrap.policy import (
-    EOS_ID,
-    BootstrapSpec,
-    encode_prompt,
-    heldout_problems,
-    train_bootstrap,
-)
+from fastdraft.bootstrap.policy import EOS_ID, encode_prompt, heldout_problems, train_bootstrap
+from fastdraft.bootstrap.spec import DEFAULT_SPEC, BootstrapSpec, get_spec
 from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.models import save_model
@@ -124,9 +119,10 @@ def load_cached(result_dir: Path) -> BootstrapReport | None:
 
 
 def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int = 0,
-                  log: Log = print, spec: BootstrapSpec | None = None) -> BootstrapReport:
-    """Returns the cached bootstrap for (spec, seed) or trains, evaluates and caches a new one."""
-    spec = spec or BootstrapSpec()
+                  log: Log = print, spec: BootstrapSpec | str = DEFAULT_SPEC) -> BootstrapReport:
+    """Returns the cached bootstrap for (spec, seed) or trains, evaluates and caches a new one.
+    spec: a BootstrapSpec or the name of a registered one (spec.py)."""
+    spec = get_spec(spec) if isinstance(spec, str) else spec
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = bootstrap_dir(cache_dir, spec, seed)
     if not force and (cached := load_cached(final)) is not None:
