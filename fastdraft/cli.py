@@ -37,13 +37,16 @@ def _bootstrap_args(p: argparse.ArgumentParser) -> None:
     _cache_arg(p)
     p.add_argument("--force", action="store_true", help="retrain even if a cached policy exists")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", default="tiny",
+                   help="named policy spec (fastdraft/bootstrap/spec.py): tiny (Qwen2, the tiny "
+                        "recipe's) or tiny-qwen3 (Qwen3, head_dim 64)")
 
 
-@command("bootstrap", "train (once, cached) the tiny CPU policy on the synthetic long-tail task")(
+@command("bootstrap", "train (once, cached) a tiny CPU policy on the synthetic long-tail task")(
     _bootstrap_args)
 def run_bootstrap_cmd(args: argparse.Namespace) -> int:
     from fastdraft.bootstrap.run import run_bootstrap
-    report = run_bootstrap(args.cache_dir, force=args.force, seed=args.seed)
+    report = run_bootstrap(args.cache_dir, force=args.force, seed=args.seed, spec=args.spec)
     print(f"policy: {report.policy_dir}")
     print(f"  train {report.train_seconds:.0f}s, total {report.total_seconds:.0f}s, "
           f"{report.num_params:,} params")
@@ -266,6 +269,16 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="where metrics, checkpoints and the dashboard go (default: runs/NAME)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its newest complete checkpoint")
+    p.add_argument("--resume-force", action="store_true",
+                   help="--resume even if the recipe changes what the run learns (lr, data, "
+                        "algorithm, ...); without it such a resume is refused")
+    p.add_argument("--dry-run", action="store_true",
+                   help="parse, check the paths and print the engine's, actor's and run's memory "
+                        "plans (config.json only: no weights); exit 0 if they fit")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="--dry-run: each of the node's actor.num_ranks devices, decimal GB "
+                        "(default: this GPU's, else 80 for a cuda recipe; the RAM for a cpu one)")
+    p.add_argument("--json", type=Path, default=None, help="--dry-run: also write the plans here")
     _cache_arg(p)
 
 
@@ -274,8 +287,12 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
     from fastdraft.config import load_recipe
     from fastdraft.rl.run import run_recipe
     cfg = load_recipe(args.recipe, args.overrides)
+    if args.dry_run:
+        from fastdraft.rl.dry_run import dry_run
+        return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir)
     run_dir = args.run_dir or Path("runs") / cfg.name
-    run_recipe(cfg, run_dir, resume=args.resume, cache_dir=args.cache_dir)
+    run_recipe(cfg, run_dir, resume=args.resume or args.resume_force, cache_dir=args.cache_dir,
+               resume_force=args.resume_force)
     print(f"run directory: {run_dir} (metrics.jsonl, dashboard.png, checkpoints/, wandb/)")
     return 0
 

@@ -86,7 +86,7 @@ def drift_eval(runs: dict[str, Run], num_steps: int, num_seeds: int = 2) -> dict
     """The kd run's final policy in every engine; the same prompts and seeds with each drafter."""
     for name, run in runs.items():
         if name != "kd":
-            run.engine.load_weights(runs["kd"].actor.named_parameters())
+            run.engine.load_weights(runs["kd"].actor.full_parameters())
     out: dict[str, Any] = {}
     for name, run in runs.items():
         items = run.prompts.batch(0, run.cfg.rollout.prompts_per_step)
@@ -185,9 +185,9 @@ def _ckpt_blocking(run: Run) -> dict[str, float]:
         writer.join()
         manager = CheckpointManager(tmp, keep=1)
         start = time.perf_counter()
-        manager.save(1, TrainState(model=run.actor.unwrapped(),
-                                   optimizer=run.actor.optimizer.state_dict(), step=1,
-                                   drafter={"tensors": host, "version": 0}), block=True)
+        with run.actor.full_state() as (model, training):
+            manager.save(1, TrainState(model=model, optimizer=training["optimizer"], step=1,
+                                       drafter={"tensors": host, "version": 0}), block=True)
         save_drafter(drafter, Path(tmp) / "drafter")
         full = time.perf_counter() - start
         manager.close()

@@ -96,7 +96,7 @@ def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int) -> dict[st
     with `num_seeds` seeds training never used; per seed, the mean reward and answer length."""
     if num_seeds < 2:
         return {"num_seeds": num_seeds}
-    runs["on"].engine.load_weights(runs["off"].actor.named_parameters())
+    runs["on"].engine.load_weights(runs["off"].actor.full_parameters())
     per_run: dict[str, dict[str, list[float]]] = {}
     for name, run in runs.items():
         items = run.prompts.batch(0, num_prompts)

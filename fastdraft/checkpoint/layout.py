@@ -22,7 +22,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-FORMAT = 1
+FORMAT = 2   # 2: optimizer state keyed by parameter name (FSDP2 full state dict)
 MODEL_DIR = "model"
 TENSORS_FILE = "state.safetensors"
 STATE_FILE = "state.json"

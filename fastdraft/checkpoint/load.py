@@ -25,12 +25,14 @@ from fastdraft.models import load_named_tensors
 from fastdraft.models.loading import iter_safetensors
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module,
+def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any | None = None) -> LoadedState:
     """Validates `path` first (a damaged checkpoint raises CorruptCheckpointError naming the file
     before anything is changed), then copies the weights into `model`'s parameters in place (the
-    engine and CUDA graphs keep their storage) and restores optimizer, scheduler and RNGs."""
+    engine and CUDA graphs keep their storage) and restores optimizer, scheduler and RNGs.
+    model=None leaves the weights to the caller (a sharded actor builds itself from
+    `path / "model"`); the optimizer and scheduler states come back in the LoadedState too."""
     path = Path(path)
     validate(path)
     state = _read(path, STATE_FILE, lambda p: json.loads(p.read_text()))
@@ -38,11 +40,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this fastdraft "
                          f"reads format {FORMAT}: resume with the fastdraft that wrote it")
     tensors = _read(path, TENSORS_FILE, lambda p: load_file(str(p)))
-    loaded = set(_read(path, MODEL_DIR, lambda p: load_named_tensors(model, iter_safetensors(p))))
-    missing = {n for n, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of this "
-                         f"model, e.g. {sorted(missing)[:3]}: was it saved from another model?")
+    if model is not None:
+        loaded = set(_read(path, MODEL_DIR,
+                           lambda p: load_named_tensors(model, iter_safetensors(p))))
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of "
+                             f"this model, e.g. {sorted(missing)[:3]}: was it saved from "
+                             "another model?")
     trees = _read(path, TENSORS_FILE, lambda _: {k: unflatten(state.get(k), tensors)
                                                   for k in ("optimizer", "scheduler", "rng",
                                                             "drafter")})
@@ -56,7 +61,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     RngState.from_tree(trees["rng"]).restore()
     config = _read(path, CONFIG_FILE, lambda p: json.loads(p.read_text()))
     return LoadedState(path=path, step=int(state["step"]), config=config, extra=state["extra"],
-                       drafter=trees["drafter"])
+                       drafter=trees["drafter"], optimizer=trees["optimizer"],
+                       scheduler=trees["scheduler"])
 
 
 def _read(ckpt: Path, rel: str, read: Any) -> Any:

@@ -88,7 +88,7 @@ class CheckpointManager:
                 warnings.warn(f"skipping {e}", CheckpointWarning, stacklevel=2)
         return None
 
-    def load(self, path: str | Path, model: torch.nn.Module,
+    def load(self, path: str | Path, model: torch.nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None,
              scheduler: Any | None = None) -> LoadedState:
         """See fastdraft.checkpoint.load.load_checkpoint."""

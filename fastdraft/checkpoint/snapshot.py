@@ -4,15 +4,25 @@ changing (or freeing) its tensors while the background writer puts the copy on d
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fastdraft.checkpoint.layout import FORMAT
 from fastdraft.checkpoint.state import TrainState
 from fastdraft.checkpoint.tree import flatten
-from fastdraft.models import CausalLM
+from fastdraft.models import CausalLM, ModelConfig
+
+
+class WeightSource(Protocol):
+    """What a checkpoint reads its weights from: a CausalLM, or a sharded actor's gathering
+    view of one (rl/sharding.Gathered)."""
+
+    config: ModelConfig
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,19 +41,25 @@ class HostMirror:
 
     Reusing it is safe because a save waits for the previous write before copying again, and it
     keeps host memory at one copy of the weights. It is a real CausalLM so that save_model (the
-    one HF writer) writes it; its rotary tables are never computed because it never runs.
+    one HF writer) writes it; its rotary tables are never computed because it never runs. The
+    source is read in one pass of `named_parameters()`: a sharded actor hands a view that
+    gathers each full parameter as the pass reaches it (rl/sharding.Gathered).
     """
 
     def __init__(self) -> None:
         self._model: CausalLM | None = None
 
-    def copy_from(self, model: CausalLM) -> CausalLM:
-        if self._model is None or _signature(self._model) != _signature(model):
-            self._model = _empty_like(model)
+    def copy_from(self, model: WeightSource) -> CausalLM:
+        if self._model is None or self._model.config != model.config:
+            self._model = _empty(model.config)
+        params = dict(self._model.named_parameters())
         with torch.no_grad():
-            for (_, dst), (_, src) in zip(self._model.named_parameters(),
-                                          model.named_parameters()):
-                dst.copy_(src)
+            for name, src in model.named_parameters():
+                dst = params[name]
+                if dst.shape != src.shape or dst.dtype != src.dtype:   # first save, or changed
+                    dst.data = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                                           pin_memory=src.is_cuda)
+                dst.copy_(src.detach())
         return self._model
 
 
@@ -77,18 +93,10 @@ def _dumps(obj: dict[str, Any], name: str) -> str:
                          "dataclasses with dataclasses.asdict and paths with str") from e
 
 
-def _signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    return [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
-
-
-def _empty_like(model: CausalLM) -> CausalLM:
+def _empty(config: ModelConfig) -> CausalLM:
+    """A CPU CausalLM whose parameters get their real storage at the first copy."""
     with torch.device("meta"):
-        mirror = CausalLM(model.config, max_positions=1)
-    mirror = mirror.to_empty(device="cpu")  # then per parameter: the actor's dtype, pinned
+        mirror = CausalLM(config, max_positions=1)
+    mirror = mirror.to_empty(device="cpu")
     mirror.tie_weights()  # to_empty unties
-    params = dict(model.named_parameters())
-    pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
-    for name, p in mirror.named_parameters():
-        src = params[name]
-        p.data = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
     return mirror.requires_grad_(False)

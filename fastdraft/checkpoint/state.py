@@ -98,3 +98,5 @@ class LoadedState:
     config: dict[str, Any]
     extra: dict[str, Any]
     drafter: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None

@@ -3,12 +3,24 @@ onto them 1:1 (config/recipe.py): `actor.lr` in a recipe is `RunConfig.actor.lr`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS
 from fastdraft.engine.spec.budget import BudgetConfig
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerConfig
+from fastdraft.rl.advantages import (
+    advantage_aggregation,
+    advantage_defaults,
+    available_advantages,
+)
+from fastdraft.rl.policy_loss import (
+    available_aggregations,
+    available_policy_losses,
+    policy_loss_defaults,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -20,15 +32,19 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PolicyConfig:
-    """The policy. path: an HF checkpoint directory; None = the bootstrap policy (trained once
-    and cached: the tiny CPU recipe)."""
+    """The policy. path: an HF checkpoint directory; None = the bootstrap policy named by
+    bootstrap (fastdraft/bootstrap/spec.py: tiny = the Qwen2 of the tiny CPU recipe, tiny-qwen3
+    = a Qwen3 with head_dim 64), trained once and cached."""
 
     path: str | None = None
+    bootstrap: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.bootstrap in BOOTSTRAP_SPECS, f"model.bootstrap must be one of "
+                 f"{BOOTSTRAP_SPECS.names()} (a bootstrap policy's spec), got {self.bootstrap!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,28 +154,96 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GateSection:
+    """algorithm.gate: the lossless gate (rl/gate.py), checked every step before any weight
+    moves. Limits on |actor - engine| logprob per sampled token: mean_tolerance (their mean),
+    quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (fail-fast, one
+    gross token); None: from the coarser of model.dtype and actor.compute_dtype (rl/gate.py
+    DTYPE_TOLERANCE). law_z_threshold: |z| of the law statistic beyond which the rollout counts
+    as not sampled from the policy (6: a false alarm ~2e-9 a step; None: no law check), judged
+    from law_min_tokens sampled tokens on."""
+
+    mean_tolerance: float | None = None
+    quantile: float = 0.99
+    quantile_tolerance: float | None = None
+    max_tolerance: float | None = None
+    law_z_threshold: float | None = 6.0
+    law_min_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("mean_tolerance", "quantile_tolerance", "max_tolerance", "law_z_threshold"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"algorithm.gate.{name} must be > 0 or null "
+                     f"(null: {'no law check' if name == 'law_z_threshold' else 'from the dtypes'})"
+                     f", got {value}")
+        _require(0.5 <= self.quantile < 1, f"algorithm.gate.quantile must be in [0.5, 1) (a "
+                 f"high quantile, e.g. 0.99; the max has its own limit), got {self.quantile}")
+        _require(self.law_min_tokens >= 1, "algorithm.gate.law_min_tokens must be >= 1")
+
+
+# What the registered estimators and losses take (their functions' keyword options): a value
+# set for one that does not take it would do nothing, so it is an error.
+_REGISTRIES = {"advantage": (available_advantages, advantage_defaults),
+               "loss": (available_policy_losses, policy_loss_defaults)}
+_OPTION_OWNERS = {"scale_std": "advantage", "clip_high": "loss"}   # field -> its registry
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
-    """advantage / loss: registered names (fastdraft/rl/advantages.py, policy_loss.py); their
-    options: scale_std (GRPO; false = Dr. GRPO), clip_eps, clip_high (DAPO), kl_coef (k3 KL to
-    the frozen initial policy), aggregation (token-mean | seq-mean-token-mean |
-    seq-mean-token-sum-norm); skip_zero_variance drops groups whose rewards are all equal
-    (DAPO). logprob_tolerance: the lossless gate (actor vs engine logprobs, per token)."""
+    """advantage / loss: registered names (fastdraft/rl/advantages.py: grpo, dr_grpo, rloo;
+    policy_loss.py: grpo, dapo). Options, each an error where it would do nothing:
+    scale_std (advantage grpo only; None: true): divide by the group's std. false removes only
+    the division; Dr. GRPO is `advantage: dr_grpo`, which also sets the length-unbiased
+    aggregation (seq-mean-token-sum-norm over rollout.max_new_tokens).
+    clip_eps: the clip range (grpo: symmetric; dapo: the lower one). clip_high (loss dapo only;
+    None: 0.28): DAPO's upper clip. kl_coef: k3 KL to the frozen initial policy.
+    aggregation (token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None: the
+    advantage's preset, else the loss's own default). skip_zero_variance drops groups whose
+    rewards are all equal (DAPO). gate: the lossless gate's limits (GateSection)."""
 
     num_steps: int = 20
     advantage: str = "grpo"
-    scale_std: bool = True
+    scale_std: bool | None = None       # None: the estimator's default
     loss: str = "grpo"
     clip_eps: float = 0.2
-    clip_high: float = 0.28
+    clip_high: float | None = None      # None: the loss's default
     kl_coef: float = 0.0
-    aggregation: str | None = None      # None: the loss's own default
+    aggregation: str | None = None      # None: the advantage's preset or the loss's default
     skip_zero_variance: bool = False
-    logprob_tolerance: float | None = None  # None: from the dtype (fp32 1e-3, bf16 5e-2)
+    gate: GateSection = field(default_factory=GateSection)
 
     def __post_init__(self) -> None:
         _require(self.num_steps >= 1, "algorithm.num_steps must be >= 1")
-        _require(self.kl_coef >= 0 and self.clip_eps > 0, "algorithm.kl_coef must be >= 0 "
-                 "and clip_eps > 0")
+        _require(self.kl_coef >= 0 and 0 < self.clip_eps < 1, "algorithm.kl_coef must be >= 0 "
+                 "and clip_eps in (0, 1)")
+        _require(self.clip_high is None or self.clip_high >= 0,
+                 "algorithm.clip_high must be >= 0")
+        taken = {kind: _options(kind, getattr(self, kind)) for kind in _REGISTRIES}
+        for name, kind in _OPTION_OWNERS.items():
+            if getattr(self, name) is not None and name not in taken[kind]:
+                names, defaults = _REGISTRIES[kind]
+                takers = [n for n in names() if name in defaults(n)]
+                raise ValueError(
+                    f"algorithm.{name} does nothing with algorithm.{kind}: {getattr(self, kind)} "
+                    f"(only {kind} {' / '.join(takers) or '(none)'} takes it): delete it, or "
+                    f"choose such a {kind}"
+                    + ("; Dr. GRPO is advantage: dr_grpo" if name == "scale_std" else ""))
+        _require(self.aggregation is None or self.aggregation in available_aggregations(),
+                 f"algorithm.aggregation must be one of {available_aggregations()} or null, "
+                 f"got {self.aggregation!r}")
+        preset = advantage_aggregation(self.advantage)
+        _require(preset is None or self.aggregation in (None, preset),
+                 f"algorithm.advantage: {self.advantage} is defined with aggregation {preset}; "
+                 f"algorithm.aggregation: {self.aggregation} contradicts it: delete "
+                 "algorithm.aggregation, or choose another advantage")
+
+
+def _options(kind: str, name: str) -> dict[str, Any]:
+    """The keyword options (with defaults) of the registered `kind` called `name`."""
+    try:
+        return _REGISTRIES[kind][1](name)
+    except ValueError as err:
+        raise ValueError(f"algorithm.{kind}: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,7 +255,9 @@ class ActorConfig:
     masters at every push. micro_batch_tokens bounds the tokens of one forward/backward
     (gradients accumulate over micro-batches into one optimizer step per update, whatever the
     budget or the number of ranks); updates_per_step optimizer steps per rollout, the LR
-    schedule counting optimizer steps."""
+    schedule counting optimizer steps. activation_checkpointing: keep only each decoder
+    layer's input for the backward and recompute the rest there (about a third more compute
+    for the update; the activations of a micro-batch shrink ~20x at a 7B shape)."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -182,6 +268,7 @@ class ActorConfig:
     micro_batch_tokens: int = 8192
     compute_dtype: str = "float32"
     num_ranks: int = 1
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
@@ -196,17 +283,41 @@ class ActorConfig:
 class OnlineDrafterConfig:
     """Online drafter training (fastdraft/trainer/) during the run.
 
-    loss: eagle1 | eagle3 | reward_kd (trainer/losses.py); lr; token_budget: tokens per packed
-    micro-batch; buffer_mb: the DataBuffer's capacity; offset_mix: share of each micro-batch
-    given to the previous step's longest samples; tail_fraction: the trainer starts once fewer
-    than this share of the rollout's requests still run; during_update: it also trains while
-    the actor updates; max_steps_per_step: micro-steps per RL step at most (0: no cap);
-    num_threads: torch intra-op threads of the trainer's process;
-    refresh: every_step (publish after each step) or on_drop (only once the measured accept
-    length fell by refresh_drop below the last published drafter's first step)."""
+    loss: eagle1 | eagle3 | reward_kd (trainer/losses.py); None (the default): the drafter
+    kind's own loss (eagle1 for an EAGLE-1 drafter, eagle3 for EAGLE-3); reward_kd trains both
+    kinds. lr; token_budget: tokens per packed micro-batch; buffer_mb: the DataBuffer's
+    capacity; offset_mix: share of each micro-batch given to the previous step's longest
+    samples; tail_fraction: the trainer starts once fewer than this share of the rollout's
+    requests still run; during_update: it also trains while the actor updates;
+    max_steps_per_step: micro-steps per RL step at most (0: no cap); min_steps_per_step: at
+    least this many, topped up at the step boundary (the loop waits for them) when the idle
+    time did not suffice, so every step publishes a trained drafter (0: idle time only);
+    num_threads: torch
+    intra-op threads of the trainer's process; refresh: every_step (publish after each step)
+    or on_drop (only once the measured accept length fell by refresh_drop below the last
+    published drafter's first step).
+
+    Where and within what it trains:
+    device: the trainer process's device (cpu, cuda, cuda:N); None: the policy's model.device,
+    so on a GPU node the drafter trains on the GPU (its own process and CUDA context).
+    max_sample_tokens: a finished rollout longer than this is cut into windows of at most this
+    many tokens (contiguous positions, each a DataBuffer sample of its own) instead of being
+    refused or trained on its first tokens only; None: token_budget (at most token_budget).
+    inflight_mb: hidden states of still-running requests held at most (MiB); positions beyond
+    it are not captured (counted in drafter/dropped_tokens).
+    inbox_samples: samples queued for the trainer process at most; one more is dropped
+    (counted in drafter/inbox_dropped), so a slow trainer never grows the queue.
+
+    When the trainer fails (none of it stops the run):
+    reply_timeout_s: the longest wait for the trainer process; past it the worker counts as
+    hung, like a dead one. max_restarts: times a dead, hung or diverged (non-finite) worker is
+    restarted from the last good drafter and its last trainer state (0: never; the run goes on
+    with the last good drafter, capturing and training nothing). reprobe_every: after a health
+    fallback to plain decoding, the newest trained drafter is tried again every this many steps
+    (0: the fallback is final, and nothing is captured or trained from then on)."""
 
     enabled: bool = False
-    loss: str = "eagle1"
+    loss: str | None = None
     lr: float = 3e-4
     token_budget: int = 2048
     buffer_mb: float = 256.0
@@ -214,9 +325,17 @@ class OnlineDrafterConfig:
     tail_fraction: float = 0.5
     during_update: bool = True
     max_steps_per_step: int = 0
+    min_steps_per_step: int = 0
     num_threads: int = 1
     refresh: str = "every_step"
     refresh_drop: float = 0.3
+    device: str | None = None
+    max_sample_tokens: int | None = None
+    inflight_mb: float = 4096.0
+    inbox_samples: int = 256
+    reply_timeout_s: float = 120.0
+    max_restarts: int = 2
+    reprobe_every: int = 10
 
     def __post_init__(self) -> None:
         _require(self.refresh in ("every_step", "on_drop"),
@@ -224,8 +343,33 @@ class OnlineDrafterConfig:
         _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
         _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
                  "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
-        _require(self.num_threads >= 1 and self.max_steps_per_step >= 0,
-                 "drafter.online: num_threads must be >= 1, max_steps_per_step >= 0")
+        _require(self.num_threads >= 1 and self.max_steps_per_step >= 0
+                 and self.min_steps_per_step >= 0,
+                 "drafter.online: num_threads must be >= 1, max_steps_per_step and "
+                 "min_steps_per_step >= 0")
+        _require(not self.max_steps_per_step or self.min_steps_per_step <= self.max_steps_per_step,
+                 "drafter.online.min_steps_per_step must be <= max_steps_per_step")
+        _require(self.loss is None or self.loss in ("eagle1", "eagle3", "reward_kd"),
+                 f"drafter.online.loss must be eagle1, eagle3, reward_kd or null (the drafter "
+                 f"kind's own loss), got {self.loss!r}")
+        _require(self.device is None or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"drafter.online.device must be cpu, cuda, cuda:N or null (the policy's "
+                 f"model.device), got {self.device!r}")
+        _require(self.max_sample_tokens is None
+                 or 2 <= self.max_sample_tokens <= self.token_budget,
+                 f"drafter.online.max_sample_tokens must be in [2, token_budget="
+                 f"{self.token_budget}] (a longer window would be cut to token_budget anyway) or "
+                 f"null, got {self.max_sample_tokens}")
+        _require(self.inflight_mb > 0 and self.inbox_samples >= 1,
+                 "drafter.online: inflight_mb must be > 0 and inbox_samples >= 1")
+        _require(self.reply_timeout_s > 0 and self.max_restarts >= 0 and self.reprobe_every >= 0,
+                 "drafter.online: reply_timeout_s must be > 0, max_restarts and reprobe_every "
+                 ">= 0")
+
+    @property
+    def window_tokens(self) -> int:
+        """The longest DataBuffer sample (max_sample_tokens, or token_budget)."""
+        return self.max_sample_tokens or self.token_budget
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

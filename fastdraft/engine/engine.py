@@ -29,6 +29,12 @@ from fastdraft.engine.capture import (
 from fastdraft.engine.draws import sample_next
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
+from fastdraft.engine.memory_plan import (
+    DrafterShape,
+    EnginePlan,
+    check_engine_fits,
+    plan_engine,
+)
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
 from fastdraft.engine.rng import Stream, uniform_keyed
@@ -44,7 +50,7 @@ from fastdraft.engine.spec.tuner import OFF, TunerConfig, arm_name, check_tuner
 from fastdraft.engine.spec_step import SpeculativeStep
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.engine.trace import RolloutTrace
-from fastdraft.models import CausalLM, HiddenStates, load_model, load_named_tensors
+from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model, load_named_tensors
 from fastdraft.utils.digest import tensor_digest
 
 OnFinish = Callable[[Completion], None]
@@ -61,15 +67,25 @@ class RolloutEngine(SpeculativeStep):
                  spec: SpecConfig | None = None, compile: bool = False,
                  graphs: bool | None = None, buckets: BucketPlan | None = None,
                  capture_aux_layers: tuple[int, ...] = (),
-                 tuner: TunerConfig | None = None, budget: BudgetConfig | None = None) -> None:
+                 tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
+                 memory_reserve: int = 0) -> None:
+        """memory_reserve: bytes to leave free on the device for others sharing it (a run's
+        actor rank 0: rl/memory_plan.py RunPlan.engine_reserve)."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
+        # The memory plan from config.json alone: refused before any weight is loaded.
+        plan = plan_engine(ModelConfig.from_pretrained(model_path), envelope=envelope,
+                           num_slots=max_batch_size, dtype=dtype, device=device, spec=spec,
+                           drafter=DrafterShape.read(drafter),
+                           capture_aux_layers=capture_aux_layers,
+                           max_prefill_tokens=max_prefill_tokens, graphs=graphs)
+        check_engine_fits(plan, device, reserved=memory_reserve)
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    generation_eos(Path(model_path)), drafter, spec, compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
-                   budget=budget)
+                   budget=budget, memory_plan=plan)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -107,9 +123,15 @@ class RolloutEngine(SpeculativeStep):
               spec: SpecConfig, compile: bool = False, graphs: bool | None = None,
               buckets: BucketPlan | None = None, proposer: Proposer | None = None,
               capture_aux_layers: tuple[int, ...] = (),
-              tuner: TunerConfig | None = None, budget: BudgetConfig | None = None) -> None:
+              tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
+              memory_plan: EnginePlan | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if memory_plan is None:   # an in-memory model (from_model): checked here, its weights
+            memory_plan = self._plan_in_memory(model, max_batch_size, envelope, drafter, spec,
+                                               proposer, capture_aux_layers,
+                                               max_prefill_tokens, graphs)
+        self.memory_plan = memory_plan
         self.tuner = check_tuner(tuner, spec)
         self.budget = LengthBudget(budget) if budget is not None and spec.enabled else None
         self.model = model
@@ -145,6 +167,24 @@ class RolloutEngine(SpeculativeStep):
         self.fallback_reason: str | None = None
         # What the last step ran, made, and how many of its rows verified a tree.
         self.last_arm, self.last_num_tokens, self.last_num_drafting = "prefill", 0, 0
+
+    @staticmethod
+    def _plan_in_memory(model: CausalLM, max_batch_size: int, envelope: Envelope,
+                        drafter: str | Path | None, spec: SpecConfig, proposer: Proposer | None,
+                        capture_aux_layers: tuple[int, ...], max_prefill_tokens: int,
+                        graphs: bool | None) -> EnginePlan:
+        """from_model's plan, checked with what is in memory already: the weights, and a given
+        proposer's drafter and caches."""
+        param = next(model.parameters())
+        plan = plan_engine(model.config, envelope=envelope, num_slots=max_batch_size,
+                           dtype=param.dtype, device=param.device, spec=spec,
+                           drafter=DrafterShape.read(drafter, proposer),
+                           capture_aux_layers=capture_aux_layers,
+                           max_prefill_tokens=max_prefill_tokens, graphs=graphs)
+        resident = plan.weights + (plan.drafter_weights + plan.drafter_kv
+                                   if proposer is not None else 0)
+        check_engine_fits(plan, param.device, resident=resident)
+        return plan
 
     # ----------------------------------------------------------------------------- public API
     def generate(self, prompt_token_ids: list[list[int]],
@@ -222,6 +262,31 @@ class RolloutEngine(SpeculativeStep):
         self.spec = SpecConfig(method="none")
         self.drafter_version = None
         self.fallback_reason = reason
+
+    def resume_speculation(self, spec: SpecConfig) -> None:
+        """Speculation back on after `fall_back_to_plain` (between generate calls), with the
+        config it ran before: the fallback left the envelope, caches and proposer as they
+        were, and plain steps kept feeding the drafter."""
+        if not spec.enabled:
+            raise ValueError("resume_speculation needs a speculative spec (the one before the "
+                             "fallback)")
+        self.spec, self.fallback_reason = spec, None
+
+    def state_dict(self) -> dict:
+        """What the engine learned by measuring and keeps across RL steps (JSON): the tuner's
+        rewards, budgets' answer-length history, model-free drafters' rollout windows, the RL
+        step. A resumed run loads it and rolls out as an unbroken one would."""
+        parts = {"tuner": self.tuner, "budget": self.budget}
+        return {"rl_step": self.rl_step, "proposer": self.proposer.state_dict(),
+                **{name: part.state_dict() for name, part in parts.items() if part is not None}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rl_step = int(state["rl_step"])
+        self.proposer.load_state_dict(state["proposer"])
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state_dict(state["tuner"])
+        if self.budget is not None and "budget" in state:
+            self.budget.load_state_dict(state["budget"])
 
     def advance_step(self) -> None:
         """Marks the end of an RL step (model-free drafters slide their rollout window)."""

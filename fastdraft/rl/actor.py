@@ -1,124 +1,155 @@
-"""The actor: the policy being trained, the same CausalLM the engine runs (fastdraft/models),
-optimised with AdamW through `accelerate` (mixed precision, DeepSpeed ZeRO when configured).
+"""The actor as the RL loop sees it: the policy being trained over `actor.num_ranks` ranks (rank 0
+in this process, the others in processes of their own, actor_peers.py), fp32 master weights
+sharded with FSDP2 (actor_rank.py), computing in `actor.compute_dtype`.
 
-One `update` is one optimizer step over a whole rollout batch: micro-batches bounded by a token
-budget, each contributing its share of the batch loss (the objective normalises over the whole
-batch, so micro-batching never changes the gradient), then clipping and the step. A non-finite
-loss or gradient skips the step (reported, nothing applied).
+One `update` is one optimizer step over a whole rollout batch: the batch is cut into micro-
+batches bounded by a token budget, spread over the ranks (each micro-batch contributes its
+share of the batch loss, so neither the budget nor the number of ranks changes the gradient),
+forward and backward on every rank, then the lossless gate on rank 0 with every rank's
+logprobs, then clipping by the global norm and the step, or nothing when the gate refuses.
+Weights leave the actor one full parameter at a time (`full_parameters`), cast by the engine to
+its own dtype as they land: never a second copy of the model.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
-from accelerate import Accelerator
 
-from fastdraft.config.sections import ActorConfig
 from fastdraft.models import CausalLM
-from fastdraft.rl.sequences import SequenceBatch, micro_batches
-from fastdraft.utils.schedule import warmup_cosine_lr
-
-# (logprobs [b, L - 1] of a micro-batch, the micro-batch) -> (its share of the batch loss,
-# metrics summed over micro-batches, each already weighted by the share)
-Objective = Callable[[torch.Tensor, SequenceBatch], tuple[torch.Tensor, dict[str, float]]]
+from fastdraft.rl.actor_peers import ActorPeers
+from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+from fastdraft.rl.sequences import SequenceBatch, split_across_ranks
+from fastdraft.rl.sharding import Gathered, free_port, leave_ranks
+from fastdraft.rl.token_stats import TokenStats
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateResult:
-    applied: bool                  # False: a non-finite loss or gradient skipped the step
+    applied: bool                  # False: a non-finite or zero gradient skipped the step
     metrics: dict[str, float]
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float
-                   ) -> torch.Tensor:
-    """input_ids [B, L] -> log-softmax(logits / T) of each next token [B, L - 1] (column t is
-    token t + 1 given tokens 0..t): the quantity the engine reports per sampled token."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logits, _ = model(input_ids, positions)
-    logits = logits[:, :-1].float() / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    return logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)
-
-
 class Actor:
-    def __init__(self, model: CausalLM, cfg: ActorConfig, total_steps: int) -> None:
-        self.cfg, self.total_steps = cfg, total_steps
-        mixed = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}[cfg.compute_dtype]
-        device = next(model.parameters()).device
-        self.accelerator = Accelerator(mixed_precision=mixed, cpu=device.type == "cpu")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                      weight_decay=cfg.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model.train(), optimizer)
-        self.step = 0
+    def __init__(self, spec: ActorSpec) -> None:
+        self.world = spec.actor.num_ranks
+        if self.world > 1:
+            spec = replace(spec, port=free_port())
+        self.spec = spec
+        # The followers start first: rank 0's process-group rendezvous waits for them.
+        self.peers = ActorPeers(spec) if self.world > 1 else None
+        try:
+            self.rank0 = ActorRank(spec, 0)
+            self._gather("start-up")
+        except BaseException:
+            self.close()
+            raise
 
     @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
+    def step(self) -> int:
+        """Optimizer steps taken (what the LR schedule counts)."""
+        return self.rank0.optimizer_steps
 
-    def unwrapped(self) -> CausalLM:
-        return self.accelerator.unwrap_model(self.model)
+    @property
+    def model(self) -> CausalLM:
+        """Rank 0's (shard of the) policy."""
+        return self.rank0.model
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named weights (what `engine.load_weights` takes)."""
-        return self.unwrapped().named_parameters()
-
-    @torch.no_grad()
-    def logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-        """The actor's logprobs of every token of the batch [B, L - 1] (no gradient), computed
-        in micro-batches: the lossless gate compares them with the engine's."""
-        out = torch.zeros(batch.mask.shape)
-        for index in micro_batches(batch, self.cfg.micro_batch_tokens):
-            mb = batch.rows(index)
-            lp = token_logprobs(self.model, mb.input_ids.to(self.device), temperature)
-            out[index, : lp.shape[1]] = lp.float().cpu()
-        return out
-
-    def update(self, batch: SequenceBatch, objective: Objective, temperature: float,
-               before_step: Callable[[torch.Tensor], None] | None = None) -> UpdateResult:
-        """One optimizer step over the batch. before_step receives the actor's logprobs of the
-        whole batch [B, L - 1] (detached, from the very forward the gradient comes from) after
-        the backward passes and before the step: the lossless gate checks them there, so it
-        costs no extra forward, and an exception from it leaves the weights untouched."""
-        lr = warmup_cosine_lr(self.step, lr=self.cfg.lr, warmup_steps=self.cfg.warmup_steps,
-                              total_steps=self.total_steps, min_ratio=1.0)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+    # ---------------------------------------------------------------------------- an update
+    def update(self, batch: SequenceBatch,
+               before_step: Callable[[TokenStats], None] | None = None) -> UpdateResult:
+        """One optimizer step over the batch. before_step receives the actor's TokenStats of
+        the whole batch ([B, L - 1] each: logprobs, and the sampling law's entropy and variance,
+        from the very forwards the gradient comes from, every rank's) before any weight moves:
+        the lossless gate checks them there; an exception from it discards the gradients on
+        every rank and propagates."""
+        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
+        parts = [[None if rows is None else batch.rows(rows) for rows in micro]
+                 for micro in plan]
+        total = self.rank0.algorithm.normaliser(batch)
+        self._send("accumulate", [(part, total) for part in parts[1:]])
+        answers = [self.rank0.accumulate(parts[0], total), *self._gather("accumulate")]
+        seen = torch.zeros(len(TokenStats._fields), *batch.mask.shape)
         metrics: dict[str, float] = {}
-        finite = True
-        seen = torch.zeros(batch.mask.shape)
-        for index in micro_batches(batch, self.cfg.micro_batch_tokens):
-            mb = batch.rows(index).to(self.device)
-            with self.accelerator.autocast():
-                logprobs = token_logprobs(self.model, mb.input_ids, temperature)
-            seen[index, : logprobs.shape[1]] = logprobs.detach().float().cpu()
-            loss, mb_metrics = objective(logprobs, mb)
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            self.accelerator.backward(loss)
-            for key, value in mb_metrics.items():
+        for micro, (results, rank_metrics) in zip(plan, answers):
+            for rows, stats in zip([r for r in micro if r is not None], results):
+                seen[:, rows, : stats.logprob.shape[1]] = torch.stack(stats)
+            for key, value in rank_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
         if before_step is not None:
             try:
-                before_step(seen)
+                before_step(TokenStats(*seen.unbind(0)))
             except BaseException:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._everywhere("discard")
                 raise
-        grad_norm = math.nan
-        if finite:
-            grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(),
-                                                                self.cfg.grad_clip))
-            finite = math.isfinite(grad_norm)
-        # A zero gradient (every sample skipped) steps nothing: Adam would still move the
-        # weights by its momentum.
-        if finite and grad_norm > 0:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        metrics.update({"actor/grad_norm": grad_norm, "actor/lr": lr,
-                        "actor/skipped": 0.0 if finite else 1.0})
-        return UpdateResult(finite, metrics)
+        step_metrics = self._everywhere("apply")
+        return UpdateResult(step_metrics["actor/skipped"] == 0.0, {**metrics, **step_metrics})
+
+    @torch.no_grad()
+    def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        """The actor's logprobs of every token of the batch [B, L - 1] (no gradient)."""
+        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
+        parts = [[None if rows is None else batch.rows(rows) for rows in micro]
+                 for micro in plan]
+        self._send("logprobs", [(part,) for part in parts[1:]])
+        answers = [self.rank0.logprobs(parts[0]), *self._gather("logprobs")]
+        out = torch.zeros(batch.mask.shape)
+        for micro, results in zip(plan, answers):
+            for rows, lp in zip([r for r in micro if r is not None], results):
+                out[rows, : lp.shape[1]] = lp
+        return out
+
+    # ------------------------------------------------------------------ weights and state
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full fp32 tensor) of every parameter, one at a time (what
+        `engine.load_weights` takes). Consume it to the end: every rank takes part."""
+        self._send("drain_parameters")
+        gathered = self.rank0.gathered()
+        try:
+            yield from gathered.named_parameters()
+        finally:
+            gathered.finish()   # a consumer that stopped early: the followers still gather
+            self._gather("the weight gather")
+
+    @contextmanager
+    def full_state(self) -> Iterator[tuple[Gathered, dict]]:
+        """(the model's full weights, gathered one at a time as the block iterates
+        `named_parameters()` once; the training state: full AdamW state keyed by name, LR
+        schedule, loss scale) for a checkpoint (TrainState takes the first as its model)."""
+        self._send("checkpoint_gather")
+        gathered = self.rank0.gathered()
+        try:
+            yield gathered, self.rank0.training_state()
+        finally:
+            gathered.finish()
+            self._gather("the checkpoint gather")
+
+    def load_training_state(self, state: dict) -> None:
+        """Restores optimizer, LR schedule and loss scale from rank 0's copy of a checkpoint."""
+        self._send("load_training_state", ({},))
+        self.rank0.load_training_state(state)
+        self._gather("the optimizer restore")
+
+    def close(self) -> None:
+        if getattr(self, "peers", None) is not None:
+            self.peers.close()
+            self.peers = None
+            leave_ranks()
+
+    # -------------------------------------------------------------------------- the ranks
+    def _send(self, name: str, args: list[tuple] | tuple = ()) -> None:
+        if self.peers is not None:
+            self.peers.send(name, args)
+
+    def _gather(self, what: str) -> list:
+        return self.peers.gather(what) if self.peers is not None else []
+
+    def _everywhere(self, name: str) -> dict:
+        """Runs a no-argument method on every rank; returns rank 0's answer."""
+        self._send(name)
+        mine = getattr(self.rank0, name)()
+        self._gather(name)
+        return mine

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastdraft.engine import Completion, SamplingParams
-from fastdraft.rl.gate import LosslessGateError, check_logprobs
+from fastdraft.rl.gate import GateTolerance, LosslessGateError, check_gate
 from fastdraft.rl.sequences import SequenceBatch, build_batch
+from fastdraft.rl.token_stats import TokenStats
 from fastdraft.utils.memory import rss_mb
 
 if TYPE_CHECKING:
@@ -46,15 +47,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                         [advantages[i] for i in keep], [weights[i] for i in keep])
     timer.lap("reward")
     gate: dict[str, float] = {}   # the lossless gate, on the first update's forward pass
-    objective = run.algorithm.objective(batch, run.reference)
     run.drafter.start_update()   # the drafter trains beside the actor
     for i in range(cfg.actor.updates_per_step):  # > 1: PPO epochs over the same rollout
-        update = run.actor.update(batch, objective, cfg.rollout.temperature,
+        update = run.actor.update(batch,
                                   before_step=None if i else _gate(
-                                      batch, run.logprob_tolerance, gate, step))
+                                      batch, run.gate_tolerance, gate, step))
     run.drafter.end_update()
     timer.lap("update")
-    run.engine.load_weights(run.actor.named_parameters())
+    run.engine.load_weights(run.actor.full_parameters())   # one tensor at a time
     run.engine.advance_step()   # model-free drafters slide their window, budgets their history
     rollout_metrics = run.rollout_metrics(completions, rewards)
     drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(
@@ -88,12 +88,14 @@ def rollout(run: Run, step: int, prompts: list[list[int]], train_drafter: bool =
                                use_tqdm=False)
 
 
-def _gate(batch: SequenceBatch, tolerance: float, into: dict[str, float], step: int
-          ) -> Callable[[torch.Tensor], None]:
-    def check(actor_logprobs: torch.Tensor) -> None:
+def _gate(batch: SequenceBatch, tolerance: GateTolerance, into: dict[str, float], step: int
+          ) -> Callable[[TokenStats | torch.Tensor], None]:
+    """The lossless gate on the actor's view of the batch: TokenStats [B, L - 1] (with
+    entropies: the law statistic too), or its logprobs alone (the per-token checks only)."""
+    def check(actor: TokenStats | torch.Tensor) -> None:
+        stats = actor if isinstance(actor, TokenStats) else TokenStats(logprob=actor)
         try:
-            into.update(check_logprobs(actor_logprobs, batch.old_logprobs, batch.mask,
-                                       tolerance))
+            into.update(check_gate(stats, batch.old_logprobs, batch.mask, tolerance))
         except LosslessGateError as err:
             raise LosslessGateError(f"step {step}: {err} (nothing of this step was applied)"
                                     ) from None

@@ -4,6 +4,7 @@ checkpoints; resumed from the newest complete checkpoint when asked. rl/loop.py 
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
@@ -13,26 +14,32 @@ from typing import Any
 import torch
 
 from fastdraft.checkpoint import CheckpointManager, TrainState
+from fastdraft.checkpoint.layout import MODEL_DIR
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
-from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.engine import Completion, RolloutEngine
-from fastdraft.models import load_model
 from fastdraft.rl.actor import Actor
+from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.dashboard import draw_dashboard
-from fastdraft.rl.gate import DEFAULT_TOLERANCE
+from fastdraft.rl.dry_run import plan_run
+from fastdraft.rl.fixed_drafter import FixedDrafter
+from fastdraft.rl.gate import GateTolerance
+from fastdraft.rl.memory_plan import check_run_plan
 from fastdraft.rl.metrics import MetricsLogger
 from fastdraft.rl.objective import Algorithm
-from fastdraft.rl.online_drafter import FixedDrafter, OnlineDrafter
+from fastdraft.rl.online_drafter import OnlineDrafter, trainer_aux_layers
 from fastdraft.rl.prompts import PromptSource
+from fastdraft.rl.resume_check import check_resume_config
+from fastdraft.utils.atomic import atomic_write_text
+from fastdraft.utils.device_memory import device_capacity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, resume_force: bool = False) -> None:
         check_paths(cfg)
         self.cfg, self.run_dir = cfg, run_dir
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
@@ -43,6 +50,8 @@ class Run:
         if not resume and (run_dir / "checkpoints").is_dir() and self.checkpoints.latest():
             raise ValueError(f"{run_dir} already holds a run: pass --resume to continue it, or "
                              "choose another --run-dir")
+        if latest is not None:   # before anything is written: a refused resume changes nothing
+            check_resume_config(latest, config_dict(cfg), resume_force)
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
         torch.manual_seed(cfg.seed)
@@ -54,47 +63,58 @@ class Run:
         max_seq_len = rollout_seq_len(cfg)
         self.prompts = PromptSource(cfg.data, self.tokenizer,
                                     max_seq_len - cfg.rollout.max_new_tokens)
+        drafter_dir = resolve_drafter(cfg, self.policy_dir)
+        # The memory plan of the engine and the actor beside it, checked before any allocation.
+        self.memory_plan = plan_run(cfg, self.policy_dir, drafter_dir, max_seq_len)
+        capacity = device_capacity(device).usable
+        print("\n".join([*self.memory_plan.actor.lines(), *self.memory_plan.lines(capacity)]))
+        check_run_plan(self.memory_plan.engine, self.memory_plan.actor, capacity)
+        atomic_write_text(run_dir / "memory_plan.json",
+                          json.dumps(self.memory_plan.as_dict(), indent=1))
         self.engine = RolloutEngine(
             self.policy_dir, device=device, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size,
-            max_seq_len=max_seq_len, drafter=resolve_drafter(cfg, self.policy_dir),
+            max_seq_len=max_seq_len, drafter=drafter_dir,
+            memory_reserve=self.memory_plan.engine_reserve,
+            # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
+            capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
             spec=cfg.rollout.spec, compile=cfg.rollout.compile, graphs=cfg.rollout.graphs,
             tuner=cfg.rollout.tuner.build(cfg.rollout.spec, cfg.seed, cfg.rollout.max_batch_size)
             if cfg.rollout.tuner.enabled else None,
             budget=cfg.rollout.budget.build() if cfg.rollout.budget.enabled else None)
+        # A resumed actor starts from the checkpoint's fp32 masters; the RNGs come back here.
+        loaded = self.checkpoints.load(latest) if latest is not None else None
         # The actor scores every position the engine can sample at (its rotary table too).
-        self.actor = Actor(load_model(self.policy_dir, device, dtype, max_seq_len), cfg.actor,
-                           cfg.algorithm.num_steps)
-        self.reference = None
-        if cfg.algorithm.kl_coef > 0:  # KL to the frozen initial policy
-            self.reference = load_model(self.policy_dir, device, dtype, max_seq_len)
-            self.reference.eval().requires_grad_(False)
+        self.actor = Actor(ActorSpec(
+            policy_dir=self.policy_dir if loaded is None else loaded.path / MODEL_DIR,
+            reference_dir=self.policy_dir,
+            actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_seq_len,
+            device=device, num_steps=cfg.algorithm.num_steps))
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
-        self.logprob_tolerance = (cfg.algorithm.logprob_tolerance
-                                  or DEFAULT_TOLERANCE[dtype])
+        # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
+        self.gate_tolerance = GateTolerance.for_dtypes(cfg.model.dtype, cfg.actor.compute_dtype,
+                                                       cfg.algorithm.gate)
         self.start_step = 0
-        trainer_state = None
-        if latest is not None:
-            loaded = self.checkpoints.load(latest, self.actor.unwrapped(), self.actor.optimizer)
-            self.start_step = self.actor.step = loaded.step
-            self.engine.load_weights(self.actor.named_parameters(), version=loaded.step)
-            self.engine.rl_step = loaded.step
-            if loaded.drafter is not None:   # the drafter the run had trained online
-                self.engine.load_drafter_weights(list(loaded.drafter["tensors"].items()),
-                                                 version=int(loaded.drafter["version"]))
-                trainer_state = loaded.drafter.get("trainer")
-            if self.engine.tuner is not None and "tuner" in loaded.extra:
-                self.engine.tuner.load_state_dict(loaded.extra["tuner"])
-            if self.engine.budget is not None and "budget" in loaded.extra:
-                self.engine.budget.load_state_dict(loaded.extra["budget"])
+        drafter_resume = None
+        if loaded is not None:
+            self.actor.load_training_state({"optimizer": loaded.optimizer,
+                                            "scheduler": loaded.scheduler,
+                                            "loss_scale": loaded.extra.get("loss_scale")})
+            self.start_step = loaded.step
+            self.engine.load_weights(self.actor.full_parameters(), version=loaded.step)
+            self.engine.load_state_dict(loaded.extra["engine"])
+            # The drafter the run served (and trained), its trainer, its health: put back by
+            # OnlineDrafter / FixedDrafter below.
+            drafter_resume = loaded.drafter
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
         # Callbacks on every finished rollout (the online drafter trainer listens here).
-        self.drafter: OnlineDrafter | FixedDrafter = FixedDrafter()
-        if cfg.drafter.online.enabled:
-            self.drafter = OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed,
-                                         trainer_state)
+        self.drafter: OnlineDrafter | FixedDrafter = (
+            OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume)
+            if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         self.last_checkpoint_s = 0.0
 
@@ -124,42 +144,32 @@ class Run:
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
-        self.checkpoints.save(step, TrainState(
-            model=self.actor.unwrapped(), optimizer=self.actor.optimizer.state_dict(),
-            step=step, config=config_dict(self.cfg), drafter=self._drafter_state(),
-            extra=self._engine_state()))
+        with self.actor.full_state() as (model, training):
+            self.checkpoints.save(step, TrainState(
+                model=model, optimizer=training["optimizer"], scheduler=training["scheduler"],
+                step=step, config=config_dict(self.cfg), drafter=self._drafter_state(),
+                extra={"engine": self.engine.state_dict(),
+                       "loss_scale": training["loss_scale"]}))
         self.last_checkpoint_s = time.perf_counter() - start
 
-    def _engine_state(self) -> dict[str, Any]:
-        """What the engine learned by measuring (tuner rewards, answer-length history)."""
-        parts = {"tuner": self.engine.tuner, "budget": self.engine.budget}
-        return {name: part.state_dict() for name, part in parts.items() if part is not None}
-
     def _drafter_state(self) -> dict[str, Any] | None:
-        """The engine's drafter (trainable tensors) and version: what --resume puts back."""
-        drafter = self.engine.model_drafter
-        if drafter is None or self.engine.drafter_version is None:
-            return None
-        state = {"tensors": {n: t.detach() for n, t in trainable_named_tensors(drafter)},
-                 "version": self.engine.drafter_version}
-        trainer = self.drafter.trainer_state()   # the online trainer's optimizer, RNG, ...
-        return state if trainer is None else {**state, "trainer": trainer}
+        """What --resume puts back: the engine's last good drafter (trainable tensors) and its
+        version, even after a health fallback; the online trainer's state; the health."""
+        return self.drafter.state_dict() or None
 
     def finish(self) -> None:
         self.drafter.close()
+        self.actor.close()
         self.checkpoints.close()
         drafter = self.engine.model_drafter
-        if drafter is not None and self.cfg.drafter.export:
-            from fastdraft.export import export_drafter
+        if drafter is not None:  # saved even unexported, so `fastdraft export --run` can retry
+            from fastdraft.rl.drafter_export import export_run_drafter
             save_drafter(drafter, self.run_dir / "drafter",
-                         extra={"drafter_version": self.engine.drafter_version})
+                         extra={"drafter_version": self.drafter.version})   # last good
             latest = self.checkpoints.latest()
-            try:
-                out = export_drafter(self.run_dir / "drafter", latest / "model",
-                                     self.run_dir / "export", "all") if latest else []
-                print("drafter exported for SGLang / vLLM: " + ", ".join(map(str, out)))
-            except ValueError as err:   # a drafter no engine format can hold: say why
-                print(f"drafter saved to {self.run_dir / 'drafter'}; not exported: {err}")
+            print(export_run_drafter(self.run_dir, drafter.kind,
+                                     latest / "model" if latest else None,
+                                     export=self.cfg.drafter.export).report())
         self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")
@@ -182,7 +192,8 @@ def check_paths(cfg: RunConfig) -> None:
 
 
 def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
-    """The recipe's checkpoint directory, or the bootstrap policy (trained once, cached)."""
+    """The recipe's checkpoint directory, or the bootstrap policy of model.bootstrap (trained
+    once, cached)."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():
@@ -190,7 +201,7 @@ def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
                                     "local HF checkpoint directory")
         return path
     from fastdraft.bootstrap.run import run_bootstrap
-    return run_bootstrap(cache_dir).policy_dir
+    return run_bootstrap(cache_dir, spec=cfg.model.bootstrap).policy_dir
 
 
 def resolve_drafter(cfg: RunConfig, policy_dir: Path) -> Path | None:
@@ -232,8 +243,8 @@ def rollout_seq_len(cfg: RunConfig) -> int:
 
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
-               cache_dir: Path | None = None) -> Any:
+               cache_dir: Path | None = None, resume_force: bool = False) -> Any:
     from fastdraft.rl.loop import train
-    run = Run(cfg, run_dir, resume, cache_dir)
+    run = Run(cfg, run_dir, resume, cache_dir, resume_force)
     train(run)
     return run

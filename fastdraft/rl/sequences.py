@@ -83,3 +83,28 @@ def micro_batches(batch: SequenceBatch, max_tokens: int) -> list[torch.Tensor]:
         else:
             groups.append([row])
     return [torch.tensor(g) for g in groups]
+
+
+def empty_batch() -> SequenceBatch:
+    """One 2-token row that scores nothing: a rank with fewer micro-batches than its peers runs
+    it so that every rank makes the same number of forward/backward passes."""
+    return SequenceBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool),
+                         torch.zeros(1, 1), torch.zeros(1), torch.zeros(1))
+
+
+def split_across_ranks(batch: SequenceBatch, max_tokens: int, num_ranks: int
+                       ) -> list[list[torch.Tensor | None]]:
+    """The batch's micro-batches (`micro_batches`) dealt to ranks, largest first to the rank
+    with the fewest padded tokens so far; ranks with fewer micro-batches get None (an empty one,
+    `empty_batch`) until all have as many. Returns per rank its row-index tensors."""
+    groups = micro_batches(batch, max_tokens)
+    lengths = _lengths(batch.mask) + 1
+    cost = [len(g) * int(lengths[g].max()) for g in groups]
+    plan: list[list[torch.Tensor | None]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for i in sorted(range(len(groups)), key=lambda i: -cost[i]):
+        rank = min(range(num_ranks), key=lambda r: (load[r], len(plan[r])))
+        plan[rank].append(groups[i])
+        load[rank] += cost[i]
+    most = max(len(p) for p in plan)
+    return [p + [None] * (most - len(p)) for p in plan]

@@ -1,7 +1,10 @@
-"""The bundled recipes parse; real-size ones (which cannot run here) name their missing paths."""
+"""The bundled recipes parse; real-size ones (which cannot run here) name their missing paths and
+pass the dry run (`fastdraft run RECIPE --dry-run`: memory plans for a node of 8 x 80 GB)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,97 @@ def test_real_recipes_are_checked_and_report_missing_paths(name):
 def test_removed_actor_keys_say_what_replaced_them(key):
     with pytest.raises(ValueError, match=r"was removed: .*actor\.(num_ranks|compute_dtype)"):
         load_recipe(None, [key])
+
+
+# config.json of the GPU recipes' policies (the dry run reads nothing else of a checkpoint).
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+                hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+                eos_token_id=151645, bos_token_id=151643)
+QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
+                 hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+                 rope_theta=1e6, max_position_embeddings=32768, use_sliding_window=False,
+                 tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643)
+GPU_RECIPES = [("qwen3-8b-grpo.yaml", QWEN3_8B), ("qwen2.5-7b-grpo.yaml", QWEN25_7B)]
+
+
+def _local_paths(root: Path, hf: dict) -> list[str]:
+    """A model directory with the real config.json (no weights), an EAGLE-3 drafter's
+    drafter_config.json over a 32k draft vocabulary (as the recipes' warm-up command makes),
+    and a one-row parquet dataset: the recipe's three paths, as overrides."""
+    import pandas as pd
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(hf))
+    (root / "drafter").mkdir()
+    (root / "drafter" / "drafter_config.json").write_text(json.dumps(
+        {"kind": "eagle3", "policy_config": hf, "draft_token_ids": list(range(32768))}))
+    pd.DataFrame({"prompt": ["1+1="], "answer": ["2"]}).to_parquet(root / "train.parquet")
+    return [f"model.path={root / 'model'}", f"data.path={root / 'train.parquet'}",
+            f"drafter.path={root / 'drafter'}"]
+
+
+def _dry_run(name: str, *args: str) -> int:
+    from fastdraft.cli import main
+    return main(["run", str(RECIPES_DIR / name), "--dry-run", *args])
+
+
+RECIPES_DIR = Path(__file__).parents[2] / "recipes"
+
+
+@pytest.mark.parametrize("name,hf", GPU_RECIPES)
+def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    assert _dry_run(name, "--device-memory-gb", "80", "--json", str(plan_file),
+                    *_local_paths(tmp_path, hf)) == 0
+    out = capsys.readouterr().out
+    assert f"dry run: {Path(name).stem} fits" in out
+    for part in ("engine memory plan (cuda, bfloat16", "actor memory plan", "run memory plan"):
+        assert part in out
+    plan = json.loads(plan_file.read_text())
+    assert plan["device_bytes"] == 80 * 10**9
+    assert plan["device0_bytes"] <= plan["usable_bytes"]
+    assert plan["actor"]["per_rank_bytes"] <= plan["usable_bytes"]
+    cfg = load_recipe(RECIPES_DIR / name)
+    assert plan["engine"]["num_slots"] == cfg.rollout.max_batch_size
+    assert plan["actor"]["num_ranks"] == 8 and plan["actor"]["compute_dtype"] == "bfloat16"
+    assert not list((tmp_path / "model").glob("*.safetensors"))   # nothing there to load
+
+
+def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
+    paths = _local_paths(tmp_path, QWEN3_8B)
+    assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
+                    "rollout.max_batch_size=256") == 2
+    err = capsys.readouterr().err
+    assert "device 0 (the engine and the actor's rank 0)" in err
+    slots = int(re.search(r"lower rollout\.max_batch_size to <= (\d+)", err).group(1))
+    # the count it names is at least the fixed recipe's (which passes above)
+    assert slots >= load_recipe(RECIPES_DIR / "qwen3-8b-grpo.yaml").rollout.max_batch_size
+    # The recipe as it was: 116.7 GB of static KV; two settings must change together.
+    assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
+                    "rollout.max_batch_size=256", "rollout.max_seq_len=3072",
+                    "rollout.max_new_tokens=2048", "actor.micro_batch_tokens=16384") == 2
+    err = capsys.readouterr().err
+    assert "KV cache 116.7 GB" in err and "Together: lower actor.micro_batch_tokens" in err
+
+
+def test_a_dry_run_checks_the_paths_first(tmp_path, capsys):
+    assert _dry_run("qwen3-8b-grpo.yaml", f"model.path={tmp_path / 'missing'}") == 2
+    assert "model.path" in capsys.readouterr().err
+
+
+def test_a_dry_run_of_a_bootstrap_recipe_needs_its_cached_policy(tmp_path, capsys):
+    assert _dry_run("tiny-grpo.yaml", "--cache-dir", str(tmp_path / "empty-cache")) == 2
+    assert "set model.path, or bootstrap the policy first" in capsys.readouterr().err
+
+
+def test_a_cuda_recipe_planned_without_a_gpu_assumes_80_gb(monkeypatch):
+    import torch
+
+    from fastdraft.rl.dry_run import node_capacity
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert node_capacity("cuda", None).total == 80 * 10**9
+    assert node_capacity("cuda", 141).total == 141 * 10**9
+    with pytest.raises(ValueError, match="--device-memory-gb must be > 0"):
+        node_capacity("cuda", 0)

@@ -13,7 +13,7 @@ EAGLE drafts inside the step (a captured stage); the graft runs on the host afte
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,6 +94,12 @@ class MergedProposer(Proposer):
 
     def advance_step(self, step: int) -> None:
         self.suffix.advance_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.suffix.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.suffix.load_state_dict(state)
 
     def move(self, moves: list[SlotMove]) -> None:
         self.eagle.move(moves)

@@ -72,6 +72,15 @@ class Proposer:
     def advance_step(self, step: int) -> None:
         """An RL step ended (model-free sources slide their window)."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to propose as an unbroken one would (JSON): model-free
+        sources' rollout windows. Per-request state is not kept: a checkpoint falls between
+        rollouts."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict()`."""
+
     def move(self, moves: list[SlotMove]) -> None:
         """Running requests changed slots (scheduler compaction): move per-slot state."""
 

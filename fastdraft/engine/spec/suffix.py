@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -156,6 +157,21 @@ class SuffixDrafter:
             index.evict_steps_before(min_step)
             if not index.segments:
                 del self._indexes[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window's rollouts, oldest first per prompt (JSON; prompt keys are token-id
+        tuples, as the engine's proposer uses): re-adding them in order
+        rebuilds the same segments, so a resumed run drafts what an unbroken one would."""
+        return {"step": self._step, "rollouts": [
+            [list(key), seg.step, list(tokens)] for key, index in self._indexes.items()
+            for seg in index.segments for tokens in seg.rollouts]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._indexes.clear()
+        self._step = None
+        for key, step, tokens in state["rollouts"]:
+            self.add_rollout(tuple(key), tokens, step)
+        self._step = state["step"]
 
     def stored_tokens(self, prompt_key: Hashable) -> int:
         """Rollout tokens currently indexed for this prompt (0 if none)."""

@@ -15,6 +15,7 @@ degenerate text ("aaaa..." or a looping answer), where the full chain grows with
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -158,6 +159,9 @@ class Segment:
     num_tokens: int = 0      # rollout tokens stored (framing markers not counted)
     num_rollouts: int = 0
     version: int = 0
+    # The rollouts as inserted (4 bytes a token, next to the automaton's far larger states):
+    # a resumed run rebuilds the same window from them.
+    rollouts: list[array] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -185,6 +189,7 @@ class PromptIndex:
                 or newest.num_tokens + len(token_ids) > self.segment_tokens):
             newest = Segment(serial=serial, step=step, sam=SuffixAutomaton(self.count_depth))
             self.segments.append(newest)
+        newest.rollouts.append(array("i", token_ids))
         sam = newest.sam
         sam.append(GEN_START)
         sam.extend(token_ids)

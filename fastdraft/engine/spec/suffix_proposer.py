@@ -4,6 +4,8 @@ A host proposer: trees are built in plain Python before the step and copied in."
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fastdraft.engine.request import Request
@@ -60,3 +62,10 @@ class SuffixProposer(Proposer):
     def advance_step(self, step: int) -> None:
         self.step = step
         self.drafter.advance_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "window": self.drafter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.drafter.load_state_dict(state["window"])

@@ -1,0 +1,57 @@
+"""What a resumed run may change. `--resume` continues a run exactly; a recipe or override that
+changes what the policy learns (its data, algorithm, optimiser, sampling, precision) would make
+the resumed run another experiment under the same name, so it is refused unless
+`--resume-force`. Settings that only decide how fast, where or how long it runs, or what it
+records, may change freely: speculation is lossless, micro-batching and the number of actor
+ranks never change the gradient, and the drafter never changes what the policy learns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastdraft.checkpoint.layout import CONFIG_FILE
+
+#: Dotted keys (or prefixes ending in ".") a resumed run may change.
+FREE_ON_RESUME = (
+    "name", "algorithm.num_steps", "algorithm.gate.", "logging.", "checkpoint.", "model.device",
+    "rollout.max_batch_size", "rollout.spec.", "rollout.tuner.", "rollout.budget.",
+    "rollout.graphs", "rollout.compile", "actor.micro_batch_tokens", "actor.num_ranks",
+    "drafter.",
+)
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(flat(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def learning_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'key: saved -> new' for every setting that differs and may not change on resume."""
+    before, after = flat(saved), flat(new)
+    changed = []
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) == after.get(key) or key.startswith(FREE_ON_RESUME):
+            continue
+        changed.append(f"{key}: {before.get(key, '(unset)')!r} -> {after.get(key, '(unset)')!r}")
+    return changed
+
+
+def check_resume_config(checkpoint: Path, new: dict[str, Any], force: bool) -> None:
+    """Raises ValueError listing the learning settings the new config changes (unless
+    force)."""
+    saved = json.loads((checkpoint / CONFIG_FILE).read_text())
+    changed = learning_changes(saved, json.loads(json.dumps(new)))   # as the checkpoint has it
+    if changed and not force:
+        raise ValueError(f"--resume would change what the run learns ({'; '.join(changed)}); "
+                         f"resume with the recipe and overrides of {checkpoint.parent.parent}"
+                         "/config.yaml, or pass --resume-force to continue under the new ones")
+    if changed:
+        print("resuming with changed settings (--resume-force): " + "; ".join(changed))

@@ -1,0 +1,156 @@
+"""FSDP2 for the actor (torch.distributed.fsdp.fully_shard): the process group its ranks share,
+the sharded model built on the meta device and filled from rank 0's copy of the checkpoint, and
+full tensors gathered back one parameter at a time.
+
+Each decoder layer is its own FSDP unit (its parameters are all-gathered in the compute dtype
+just before it runs and freed after), the embedding, final norm and lm_head are the root unit
+(a tied lm_head must share the embedding's unit). Master weights, gradients and AdamW state stay
+fp32 and sharded; gradients are reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.models.loading import iter_safetensors, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A follower waits in a collective while rank 0 rolls out: allow a long rollout.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def rank_device(base: str, rank: int) -> torch.device:
+    """Rank r's device: the CPU for a CPU run, else the GPU `r` places after model.device."""
+    device = torch.device(base)
+    if device.type == "cpu":
+        return device
+    return torch.device(device.type, (device.index or 0) + rank)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_ranks(rank: int, world: int, port: int, device: torch.device) -> None:
+    """Joins (or for one rank, creates) the default process group: gloo on the CPU, nccl on
+    GPUs. One rank still needs a group: FSDP2 shards over a mesh of one."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        if world == 1 and dist.get_world_size() == 1:
+            return   # an earlier one-rank actor of this process (tests) left one
+        dist.destroy_process_group()
+    if world == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
+
+
+def leave_ranks() -> None:
+    """Rank 0's side of closing a multi-rank actor: its group dies with the followers."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.destroy_process_group()
+
+
+def checkpoint_layers(model: CausalLM) -> CausalLM:
+    """Activation checkpointing from outside the model: each decoder layer's forward runs under
+    torch.utils.checkpoint (non-reentrant), so autograd keeps the layer's input and recomputes
+    the rest in the backward. Parameter names are untouched (a wrapper module would prefix
+    them), FSDP's hooks stay around the layer's call: its recompute sees the gathered weights."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    return model
+
+
+def shard(model: CausalLM, compute_dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """fully_shard every decoder layer, then the root (embedding, norm, lm_head)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def load_sharded(policy_dir: Path, device: torch.device, compute_dtype: torch.dtype,
+                 max_positions: int, storage_dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The policy sharded over the process group, stored in storage_dtype (fp32 masters; a
+    frozen reference stores the compute dtype): built on the meta device, sharded, then filled
+    from rank 0's read of the checkpoint (broadcast), so no rank ever holds a full copy on its
+    device and only rank 0 reads the files."""
+    cfg = ModelConfig.from_pretrained(policy_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions).to(storage_dtype)
+    shard(model, compute_dtype, device)
+    model.to_empty(device=device)
+    model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                  cfg.max_position_embeddings, max_positions).to(device)
+    full: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0:
+        full = {n: t.float() for n, t in iter_safetensors(policy_dir)
+                if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - set(full)
+        if missing:
+            raise ValueError(f"checkpoint {policy_dir} lacks {len(missing)} weights, e.g. "
+                             f"{sorted(missing)[:3]}")
+    set_model_state_dict(model, full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    return model
+
+
+def load_plain(policy_dir: Path, device: torch.device, max_positions: int) -> CausalLM:
+    """One rank computing in fp32 needs no sharding: the model as it is, fp32."""
+    return load_model(policy_dir, device, torch.float32, max_positions)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter. Collective for a sharded one: every
+    rank must call it, for the same parameters in the same order."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+class Gathered:
+    """A sharded model's full parameters for one pass: `named_parameters()` gathers them one at
+    a time as it is iterated (peak: one parameter); `finish()` gathers whatever the consumer
+    left, so rank 0 always takes part in every gather its followers make, even when the
+    consumer stopped early or raised. Single use. `config` is the model's."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.config = model.config
+        self._model, self._done, self._started = model, 0, False
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._started:
+            raise RuntimeError("Gathered.named_parameters() runs once: each pass is a gather "
+                               "every rank takes part in")
+        self._started = True
+        for name, param in self._model.named_parameters():
+            tensor = full_tensor(param.detach())
+            self._done += 1
+            yield name, tensor
+
+    def finish(self) -> None:
+        for i, (_, param) in enumerate(self._model.named_parameters()):
+            if i >= self._done:
+                full_tensor(param.detach())
+        self._done = sum(1 for _ in self._model.named_parameters())
