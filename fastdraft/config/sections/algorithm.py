@@ -1,0 +1,113 @@
+"""The `algorithm` section: advantage, policy loss and their options, the lossless gate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdraft.config.sections.common import require as _require
+from fastdraft.rl.advantages import (
+    advantage_aggregation,
+    advantage_defaults,
+    available_advantages,
+)
+from fastdraft.rl.policy_loss import (
+    available_aggregations,
+    available_policy_losses,
+    policy_loss_defaults,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GateSection:
+    """algorithm.gate: the lossless gate (rl/gate.py), checked every step before any weight
+    moves. Limits on |actor - engine| logprob per sampled token: mean_tolerance (their mean),
+    quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (fail-fast, one
+    gross token); None: from the coarser of model.dtype and actor.compute_dtype (rl/gate.py
+    DTYPE_TOLERANCE). law_z_threshold: |z| of the law statistic beyond which the rollout counts
+    as not sampled from the policy (6: a false alarm ~2e-9 a step; None: no law check), judged
+    from law_min_tokens sampled tokens on."""
+
+    mean_tolerance: float | None = None
+    quantile: float = 0.99
+    quantile_tolerance: float | None = None
+    max_tolerance: float | None = None
+    law_z_threshold: float | None = 6.0
+    law_min_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("mean_tolerance", "quantile_tolerance", "max_tolerance", "law_z_threshold"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"algorithm.gate.{name} must be > 0 or null "
+                     f"(null: {'no law check' if name == 'law_z_threshold' else 'from the dtypes'})"
+                     f", got {value}")
+        _require(0.5 <= self.quantile < 1, f"algorithm.gate.quantile must be in [0.5, 1) (a "
+                 f"high quantile, e.g. 0.99; the max has its own limit), got {self.quantile}")
+        _require(self.law_min_tokens >= 1, "algorithm.gate.law_min_tokens must be >= 1")
+
+
+# What the registered estimators and losses take (their functions' keyword options): a value
+# set for one that does not take it would do nothing, so it is an error.
+_REGISTRIES = {"advantage": (available_advantages, advantage_defaults),
+               "loss": (available_policy_losses, policy_loss_defaults)}
+_OPTION_OWNERS = {"scale_std": "advantage", "clip_high": "loss"}   # field -> its registry
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlgorithmConfig:
+    """advantage / loss: registered names (fastdraft/rl/advantages.py: grpo, dr_grpo, rloo;
+    policy_loss.py: grpo, dapo). Options, each an error where it would do nothing:
+    scale_std (advantage grpo only; None: true): divide by the group's std. false removes only
+    the division; Dr. GRPO is `advantage: dr_grpo`, which also sets the length-unbiased
+    aggregation (seq-mean-token-sum-norm over rollout.max_new_tokens).
+    clip_eps: the clip range (grpo: symmetric; dapo: the lower one). clip_high (loss dapo only;
+    None: 0.28): DAPO's upper clip. kl_coef: k3 KL to the frozen initial policy.
+    aggregation (token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None: the
+    advantage's preset, else the loss's own default). skip_zero_variance drops groups whose
+    rewards are all equal (DAPO). gate: the lossless gate's limits (GateSection)."""
+
+    num_steps: int = 20
+    advantage: str = "grpo"
+    scale_std: bool | None = None       # None: the estimator's default
+    loss: str = "grpo"
+    clip_eps: float = 0.2
+    clip_high: float | None = None      # None: the loss's default
+    kl_coef: float = 0.0
+    aggregation: str | None = None      # None: the advantage's preset or the loss's default
+    skip_zero_variance: bool = False
+    gate: GateSection = field(default_factory=GateSection)
+
+    def __post_init__(self) -> None:
+        _require(self.num_steps >= 1, "algorithm.num_steps must be >= 1")
+        _require(self.kl_coef >= 0 and 0 < self.clip_eps < 1, "algorithm.kl_coef must be >= 0 "
+                 "and clip_eps in (0, 1)")
+        _require(self.clip_high is None or self.clip_high >= 0,
+                 "algorithm.clip_high must be >= 0")
+        taken = {kind: _options(kind, getattr(self, kind)) for kind in _REGISTRIES}
+        for name, kind in _OPTION_OWNERS.items():
+            if getattr(self, name) is not None and name not in taken[kind]:
+                names, defaults = _REGISTRIES[kind]
+                takers = [n for n in names() if name in defaults(n)]
+                raise ValueError(
+                    f"algorithm.{name} does nothing with algorithm.{kind}: {getattr(self, kind)} "
+                    f"(only {kind} {' / '.join(takers) or '(none)'} takes it): delete it, or "
+                    f"choose such a {kind}"
+                    + ("; Dr. GRPO is advantage: dr_grpo" if name == "scale_std" else ""))
+        _require(self.aggregation is None or self.aggregation in available_aggregations(),
+                 f"algorithm.aggregation must be one of {available_aggregations()} or null, "
+                 f"got {self.aggregation!r}")
+        preset = advantage_aggregation(self.advantage)
+        _require(preset is None or self.aggregation in (None, preset),
+                 f"algorithm.advantage: {self.advantage} is defined with aggregation {preset}; "
+                 f"algorithm.aggregation: {self.aggregation} contradicts it: delete "
+                 "algorithm.aggregation, or choose another advantage")
+
+
+def _options(kind: str, name: str) -> dict[str, Any]:
+    """The keyword options (with defaults) of the registered `kind` called `name`."""
+    try:
+        return _REGISTRIES[kind][1](name)
+    except ValueError as err:
+        raise ValueError(f"algorithm.{kind}: {err}") from None
+
+

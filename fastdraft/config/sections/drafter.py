@@ -1,0 +1,117 @@
+"""The `drafter` section: the drafter and its online training."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from fastdraft.config.sections.common import require as _require
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OnlineDrafterConfig:
+    """Online drafter training (fastdraft/trainer/) during the run.
+
+    loss: eagle1 | eagle3 | reward_kd (trainer/losses.py); None (the default): the drafter
+    kind's own loss (eagle1 for an EAGLE-1 drafter, eagle3 for EAGLE-3); reward_kd trains both
+    kinds. lr; token_budget: tokens per packed micro-batch; buffer_mb: the DataBuffer's
+    capacity; offset_mix: share of each micro-batch given to the previous step's longest
+    samples; tail_fraction: the trainer starts once fewer than this share of the rollout's
+    requests still run; during_update: it also trains while the actor updates;
+    max_steps_per_step: micro-steps per RL step at most (0: no cap); min_steps_per_step: at
+    least this many, topped up at the step boundary (the loop waits for them) when the idle
+    time did not suffice, so every step publishes a trained drafter (0: idle time only);
+    num_threads: torch
+    intra-op threads of the trainer's process; refresh: every_step (publish after each step)
+    or on_drop (only once the measured accept length fell by refresh_drop below the last
+    published drafter's first step).
+
+    Where and within what it trains:
+    device: the trainer process's device (cpu, cuda, cuda:N); None: the policy's model.device,
+    so on a GPU node the drafter trains on the GPU (its own process and CUDA context).
+    max_sample_tokens: a finished rollout longer than this is cut into windows of at most this
+    many tokens (contiguous positions, each a DataBuffer sample of its own) instead of being
+    refused or trained on its first tokens only; None: token_budget (at most token_budget).
+    inflight_mb: hidden states of still-running requests held at most (MiB); positions beyond
+    it are not captured (counted in drafter/dropped_tokens).
+    inbox_samples: samples queued for the trainer process at most; one more is dropped
+    (counted in drafter/inbox_dropped), so a slow trainer never grows the queue.
+
+    When the trainer fails (none of it stops the run):
+    reply_timeout_s: the longest wait for the trainer process; past it the worker counts as
+    hung, like a dead one. max_restarts: times a dead, hung or diverged (non-finite) worker is
+    restarted from the last good drafter and its last trainer state (0: never; the run goes on
+    with the last good drafter, capturing and training nothing). reprobe_every: after a health
+    fallback to plain decoding, the newest trained drafter is tried again every this many steps
+    (0: the fallback is final, and nothing is captured or trained from then on)."""
+
+    enabled: bool = False
+    loss: str | None = None
+    lr: float = 3e-4
+    token_budget: int = 2048
+    buffer_mb: float = 256.0
+    offset_mix: float = 0.5
+    tail_fraction: float = 0.5
+    during_update: bool = True
+    max_steps_per_step: int = 0
+    min_steps_per_step: int = 0
+    num_threads: int = 1
+    refresh: str = "every_step"
+    refresh_drop: float = 0.3
+    device: str | None = None
+    max_sample_tokens: int | None = None
+    inflight_mb: float = 4096.0
+    inbox_samples: int = 256
+    reply_timeout_s: float = 120.0
+    max_restarts: int = 2
+    reprobe_every: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.refresh in ("every_step", "on_drop"),
+                 f"drafter.online.refresh must be every_step or on_drop, got {self.refresh!r}")
+        _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
+        _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
+                 "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
+        _require(self.num_threads >= 1 and self.max_steps_per_step >= 0
+                 and self.min_steps_per_step >= 0,
+                 "drafter.online: num_threads must be >= 1, max_steps_per_step and "
+                 "min_steps_per_step >= 0")
+        _require(not self.max_steps_per_step or self.min_steps_per_step <= self.max_steps_per_step,
+                 "drafter.online.min_steps_per_step must be <= max_steps_per_step")
+        _require(self.loss is None or self.loss in ("eagle1", "eagle3", "reward_kd"),
+                 f"drafter.online.loss must be eagle1, eagle3, reward_kd or null (the drafter "
+                 f"kind's own loss), got {self.loss!r}")
+        _require(self.device is None or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"drafter.online.device must be cpu, cuda, cuda:N or null (the policy's "
+                 f"model.device), got {self.device!r}")
+        _require(self.max_sample_tokens is None
+                 or 2 <= self.max_sample_tokens <= self.token_budget,
+                 f"drafter.online.max_sample_tokens must be in [2, token_budget="
+                 f"{self.token_budget}] (a longer window would be cut to token_budget anyway) or "
+                 f"null, got {self.max_sample_tokens}")
+        _require(self.inflight_mb > 0 and self.inbox_samples >= 1,
+                 "drafter.online: inflight_mb must be > 0 and inbox_samples >= 1")
+        _require(self.reply_timeout_s > 0 and self.max_restarts >= 0 and self.reprobe_every >= 0,
+                 "drafter.online: reply_timeout_s must be > 0, max_restarts and reprobe_every "
+                 ">= 0")
+
+    @property
+    def window_tokens(self) -> int:
+        """The longest DataBuffer sample (max_sample_tokens, or token_budget)."""
+        return self.max_sample_tokens or self.token_budget
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterConfig:
+    """path: a drafter directory (`fastdraft drafter warmup`); None with the bootstrap policy
+    warms one up (cached) with warmup_steps steps on warmup_rollouts rollouts. online: train it
+    during the run."""
+
+    path: str | None = None
+    kind: str = "eagle1"
+    warmup_steps: int = 4000
+    warmup_rollouts: int = 2048
+    export: bool = True                 # at the end of a run: RUN_DIR/drafter + RUN_DIR/export
+    online: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
+
+

@@ -1,0 +1,52 @@
+"""The policy and the prompts: `model` and `data` sections of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS
+from fastdraft.config.sections.common import DTYPES
+from fastdraft.config.sections.common import require as _require
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    """The policy. path: an HF checkpoint directory; None = the bootstrap policy named by
+    bootstrap (fastdraft/bootstrap/spec.py: tiny = the Qwen2 of the tiny CPU recipe, tiny-qwen3
+    = a Qwen3 with head_dim 64), trained once and cached."""
+
+    path: str | None = None
+    bootstrap: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.bootstrap in BOOTSTRAP_SPECS, f"model.bootstrap must be one of "
+                 f"{BOOTSTRAP_SPECS.names()} (a bootstrap policy's spec), got {self.bootstrap!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Prompts and their reward. task: problems drawn from a registered task (its verifier is
+    the reward): fresh ones every step, or task_pool of them drawn once and visited epoch by
+    epoch like a dataset; or path: a local parquet / JSONL file with prompt and answer columns,
+    scored by the registered `reward`."""
+
+    task: str | None = "modsum"
+    task_options: dict[str, Any] = field(default_factory=dict)  # the task's own settings
+    task_pool: int | None = None        # a dataset of this many task problems, visited in epochs
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str = "math"
+    add_special_tokens: bool | None = None  # None: no for task prompts, yes for file prompts
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require((self.task is None) != (self.path is None),
+                 "data: set exactly one of data.task (a built-in task) and data.path (a local "
+                 "parquet / JSONL file)")
+
+

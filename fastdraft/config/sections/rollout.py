@@ -1,0 +1,95 @@
+"""The `rollout` section: the engine's batch, sampling and speculation (tree, tuner, budgets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastdraft.config.sections.common import require as _require
+from fastdraft.engine.spec.budget import BudgetConfig
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.tuner import TunerConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TunerSection:
+    """rollout.tuner: the speculation config picked per engine step by the BEG-MAB tuner
+    (engine/spec/tuner.py). buckets: {min_batch: [arm, ...]}, an arm 'off' or
+    'method/depth/topk/tokens_to_verify', the prior's favourite first; empty: default arms
+    around rollout.spec (its tree the largest), "off" first from elastic_threshold requests."""
+
+    enabled: bool = False
+    buckets: dict[int, list[str]] = field(default_factory=dict)
+    epsilon: float = 0.1
+    window: int = 300
+    max_age: int = 3000
+    min_records: int = 2
+    elastic_threshold: int = 32
+
+    def __post_init__(self) -> None:
+        _require(self.elastic_threshold >= 2, "rollout.tuner.elastic_threshold must be >= 2")
+        if self.buckets:   # malformed arms fail when the recipe loads, not mid-run
+            self.build(SpecConfig(method="eagle"), seed=0)
+
+    def build(self, spec: SpecConfig, seed: int, max_batch: int = 256) -> TunerConfig:
+        knobs = dict(epsilon=self.epsilon, window=self.window, max_age=self.max_age,
+                     min_records=self.min_records, seed=seed)
+        try:
+            if self.buckets:
+                return TunerConfig.from_names(self.buckets, **knobs)
+            return TunerConfig.default(spec, self.elastic_threshold, max_batch, **knobs)
+        except ValueError as err:
+            raise ValueError(f"rollout.tuner: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetSection:
+    """rollout.budget: length-aware speculation budgets (engine/spec/budget.py, DAS): requests
+    predicted to finish within the batch's remaining steps decode plainly beside the trees of
+    the long ones, in the same forward. window: RL steps of per-prompt length history; margin:
+    lower speculates on more requests."""
+
+    enabled: bool = False
+    window: int = 4
+    margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.build()   # malformed values fail when the recipe loads
+
+    def build(self) -> BudgetConfig:
+        try:
+            return BudgetConfig(window=self.window, margin=self.margin)
+        except ValueError as err:
+            raise ValueError(f"rollout.budget: {err}") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """prompts_per_step prompts, group_size samples each (GRPO's n), served by the engine."""
+
+    prompts_per_step: int = 16
+    group_size: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    max_batch_size: int = 64
+    max_seq_len: int | None = None      # None: the longest prompt + max_new_tokens
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method="eagle", depth=6, topk=3,
+                                                                tokens_to_verify=12))
+    tuner: TunerSection = field(default_factory=TunerSection)
+    budget: BudgetSection = field(default_factory=BudgetSection)
+    graphs: bool | None = None          # None: CUDA graphs on CUDA devices
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
+                 "speculative rollout.spec.method (e.g. eagle): the tuner picks among its trees")
+        _require(not self.budget.enabled or self.spec.enabled, "rollout.budget.enabled needs a "
+                 "speculative rollout.spec.method (e.g. eagle): budgets say which rows draft")
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_batch_size"):
+            _require(getattr(self, name) >= 1, f"rollout.{name} must be >= 1")
+        _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "
+                 "rollouts give every group one answer)")
+        _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+
+
