@@ -263,6 +263,7 @@ class OnlineDrafter:
                "drafter/train_tokens": float(stats.tokens),
                "drafter/preemptions": float(stats.preemptions),
                "drafter/buffer_bytes": float(self.worker.buffer_bytes if self.worker else 0),
+               "drafter/cut_samples": float(self.worker.cut_samples if self.worker else 0),
                "drafter/pause_wait_s": self.pause_s,
                "drafter/dropped_tokens": float(collector.dropped_tokens
                                                - self._dropped_at_start),

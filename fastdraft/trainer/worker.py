@@ -188,7 +188,7 @@ def _handle(kind: str, payload: Any, trainer: SpotTrainer, buffer: DataBuffer,
         published = trainer.publish()
         replies.put(("published", published.version, published.checksum,
                      _encode(dict(published.tensors)), trainer.stats,
-                     buffer.stats().num_bytes, rss_mb()))
+                     buffer.stats(), rss_mb()))
     else:
         raise ValueError(f"SpotWorker: unknown command {kind!r}")
 
@@ -210,6 +210,7 @@ class SpotWorker:
         self.reply_timeout_s = reply_timeout_s
         self.stats = stats or SpotStats()
         self.buffer_bytes = 0
+        self.cut_samples = 0     # rollouts the buffer held as windows, since it started
         self.rss_mb: float | None = None   # the worker process's resident size, MiB
         self.inbox_dropped = 0             # samples dropped: the inbox was full
         self.closed = False
@@ -259,8 +260,9 @@ class SpotWorker:
         """The trainer's newest drafter, after topping its training this RL step up to
         min_steps micro-steps (while its buffer has data)."""
         self._put(("publish", min_steps))
-        _, version, checksum, blob, self.stats, self.buffer_bytes, self.rss_mb = self._reply(
+        _, version, checksum, blob, self.stats, buffer, self.rss_mb = self._reply(
             "published")
+        self.buffer_bytes, self.cut_samples = buffer.num_bytes, buffer.cut_samples
         return Published(version, checksum, list(_decode(blob).items()))
 
     def state(self) -> dict:
