@@ -107,9 +107,12 @@ class SpotTrainer:
                  cfg: SpotConfig = SpotConfig()) -> None:
         self.cfg, self.buffer = cfg, buffer
         self.device = torch.device(cfg.device)
-        self.head = head.to(self.device)
-        self.drafter = drafter.detached().to(self.device).attach(  # type: ignore[arg-type]
-            self.head).train()
+        self.drafter = drafter.detached().to(self.device)
+        # The policy's head and hidden states may come in the serving dtype (bf16); the
+        # drafter trains in its own (fp32), and everything it reads is cast to it.
+        self.dtype = next(self.drafter.parameters()).dtype
+        self.head = head.to(self.device, self.dtype)
+        self.drafter.attach(self.head).train()  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0)
         self.version = 0
         self.stats = SpotStats(device=str(next(self.drafter.parameters()).device))
@@ -151,7 +154,7 @@ class SpotTrainer:
         if packed is None:
             return False
         with self._lock:
-            batch = draft_batch(packed).to(self.device)
+            batch = draft_batch(packed, self.dtype).to(self.device)
             options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
             loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
                                                  self.head.lm_head, **options)
@@ -240,10 +243,11 @@ def _to_host(tree):
     return tree
 
 
-def draft_batch(packed: PackedBatch) -> DraftBatch:
+def draft_batch(packed: PackedBatch, dtype: torch.dtype = torch.float32) -> DraftBatch:
+    """The packed rows as the loss reads them, hidden states in the drafter's dtype."""
     rewards = packed.rewards.float()
     known = ~torch.isnan(rewards)
     # A sample of the current rollout is not scored yet: it weighs like the average known one.
     fill = rewards[known].mean() if known.any() else torch.tensor(1.0)
-    return DraftBatch(packed.input_ids, packed.hidden_states(), packed.loss_mask,
+    return DraftBatch(packed.input_ids, packed.hidden_states(dtype), packed.loss_mask,
                       torch.where(known, rewards, fill), packed.segment_ids, packed.positions)

@@ -305,7 +305,9 @@ class SpotWorker:
             except (OSError, ValueError, EOFError) as err:   # its queue is gone with it
                 raise WorkerFailure(f"the drafter worker cannot be reached: {err}") from None
             if reply[0] == "error":
-                raise WorkerFailure(f"the drafter worker raised:\n{reply[1]}")
+                lines = reply[1].strip().splitlines()
+                raise WorkerFailure(f"the drafter worker raised {lines[-1] if lines else '?'}"
+                                    f"\n{reply[1]}")
             if reply[0] == kind:
                 self._replied = True
                 return reply

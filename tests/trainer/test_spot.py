@@ -170,3 +170,20 @@ def test_a_trainer_resumed_from_its_state_continues_exactly(tiny_checkpoint):
     assert losses[0] == losses[1]
     assert tensor_digest(first.publish().tensors) == tensor_digest(resumed.publish().tensors)
     assert (resumed.stats.steps, resumed.stats.preemptions, resumed.version) == (7, 1, 1)
+
+
+def test_an_fp32_drafter_trains_on_a_bf16_served_policy(tiny_checkpoint):
+    """The engine serves bf16 (model.dtype) while the drafter trains in fp32: the hidden states
+    and the policy head it is sent are bf16, and the trainer casts them to the drafter's dtype."""
+    policy, drafter = _setup(tiny_checkpoint)
+    buffer = DataBuffer(2**24)
+    for s in _samples(policy.to(torch.bfloat16), 8):
+        buffer.add(s)
+    head = PolicyHead.of(policy)
+    assert head.lm_head.weight.dtype == torch.bfloat16
+    trainer = SpotTrainer(drafter, head, buffer, SpotConfig(token_budget=64))
+    before = [p.detach().clone() for p in trainer.drafter.parameters()]
+    assert trainer.run(threading.Event(), max_steps=2) == 2
+    assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.drafter.parameters()))
+    assert torch.isfinite(torch.tensor(trainer.stats.last["loss"]))

@@ -1,0 +1,45 @@
+"""The miniature of the real recipe end to end (recipes/tiny-qwen3-eagle3.yaml): a Qwen3 policy
+(QK-norm, head_dim 64), an EAGLE-3 drafter trained online with reward-weighted KD whose byte and
+token caps engage, bf16 compute on fp32 masters sharded over 2 actor ranks, the lossless gate
+every step, and an export SGLang and vLLM load. Slow: it bootstraps its policy once (cached)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastdraft.config import load_recipe
+from fastdraft.export.check import check_export
+from fastdraft.rl.metrics import read_metrics
+from fastdraft.rl.run import run_recipe
+
+pytestmark = pytest.mark.slow
+RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
+STEPS = 4   # CI's share of the recipe's 12 steps: every part of the path runs
+
+
+def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
+    cfg = load_recipe(RECIPE, [f"algorithm.num_steps={STEPS}", "checkpoint.every=2",
+                               "logging.wandb.mode=disabled"])
+    assert cfg.actor.num_ranks == 2 and cfg.actor.compute_dtype == "bfloat16"
+    run = run_recipe(cfg, tmp_path / "run")
+    policy = json.loads((run.policy_dir / "config.json").read_text())
+    assert policy["model_type"] == "qwen3" and policy["head_dim"] == 64
+    assert run.engine.model_drafter.kind == "eagle3" and run.actor.world == 2
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    versions = [r["drafter/version"] for r in rows]
+    assert versions == sorted(set(versions)) and len(versions) == STEPS   # rises every step
+    for row in rows:
+        assert 0 <= row["drafter/top1_acc"] <= 1
+        assert row["drafter/train_steps"] >= cfg.drafter.online.min_steps_per_step
+        assert row["rollout/logprob_diff_p99"] <= 0.5 and abs(row["rollout/law_z"]) < 6
+        assert row["actor/skipped"] == 0.0
+    # the caps engage: long answers become windows, in-flight bytes stay under the budget
+    assert max(r["drafter/inflight_mb_peak"] for r in rows) <= cfg.drafter.online.inflight_mb
+    assert rows[-1]["drafter/cut_samples"] > 0 and sum(r["drafter/dropped_tokens"]
+                                                       for r in rows) > 0
+    check_export(tmp_path / "run" / "export", "all", "eagle3")   # raises on any problem
+    assert (tmp_path / "run" / "memory_plan.json").is_file()
