@@ -7,11 +7,14 @@
         state.json                  {"format", "step", "optimizer", "scheduler", "rng", "extra"};
                                     tensor leaves are {"__tensor__": key} into state.safetensors
         run_config.json             the run's config dict
-        COMPLETE                    written last: {"step", "files": {relative path: size}}
+        COMPLETE                    written last: {"step", "files": {relative path:
+                                    {"size", "sha256"}}}
 
 A checkpoint is written into `.step-000012.tmp-*` beside its final name and renamed when whole,
 so a `step-*` directory without COMPLETE, or whose files differ from the sizes COMPLETE lists,
-was damaged after the fact (or by hand) and is never loaded.
+was damaged after the fact (or by hand) and is never loaded. Sizes are checked whenever a
+checkpoint is listed (cheap); the SHA-256 of every file when one is resumed from, so that bytes
+damaged inside a file of the right size are found before they are loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
+
+from fastdraft.utils.file_digest import CorruptFileError, check_file, file_sha256, tree_files
 
 FORMAT = 2   # 2: optimizer state keyed by parameter name (FSDP2 full state dict)
 MODEL_DIR = "model"
@@ -66,15 +71,17 @@ def temp_dirs(ckpt_root: Path) -> list[Path]:
     return sorted(p for p in ckpt_root.iterdir() if p.name.startswith(".step-"))
 
 
-def manifest(ckpt: Path) -> dict[str, int]:
-    """Relative path -> size of every file under `ckpt` (what COMPLETE records)."""
-    return {p.relative_to(ckpt).as_posix(): p.stat().st_size
-            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
+def manifest(ckpt: Path) -> dict[str, dict]:
+    """Relative path -> {"size", "sha256"} of every file under `ckpt` (what COMPLETE records)."""
+    return {rel: {"size": (ckpt / rel).stat().st_size, "sha256": file_sha256(ckpt / rel)}
+            for rel in tree_files(ckpt, exclude=(MARKER,))}
 
 
-def validate(ckpt: Path) -> int:
+def validate(ckpt: Path, digests: bool = False) -> int:
     """Returns the checkpoint's step, or raises CorruptCheckpointError naming the first bad file.
-    Cheap (sizes and safetensors headers, no tensor data read), so `latest()` can call it often."""
+    Cheap by default (sizes and safetensors headers, no tensor data read), so `latest()` can
+    call it often; digests=True also hashes every file against COMPLETE (a checkpoint written
+    before digests were kept is checked by size only)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"checkpoint {ckpt} does not exist: pass a directory such as "
@@ -91,7 +98,8 @@ def validate(ckpt: Path) -> int:
     for rel in (f"{MODEL_DIR}/config.json", STATE_FILE, CONFIG_FILE, TENSORS_FILE):
         if rel not in files:
             raise CorruptCheckpointError(ckpt, rel, f"not listed in {MARKER}")
-    for rel, size in files.items():
+    for rel, entry in files.items():
+        size = entry if isinstance(entry, int) else dict(entry).get("size")
         path = ckpt / rel
         actual = path.stat().st_size if path.is_file() else None
         if actual != size:
@@ -105,4 +113,11 @@ def validate(ckpt: Path) -> int:
                 json.loads(path.read_text())
         except (OSError, ValueError, SafetensorError) as e:
             raise CorruptCheckpointError(ckpt, rel, f"unreadable ({e})") from e
+    if digests:
+        for rel, entry in files.items():
+            if isinstance(entry, dict) and entry.get("sha256"):
+                try:
+                    check_file(ckpt / rel, entry["sha256"])
+                except CorruptFileError as e:
+                    raise CorruptCheckpointError(ckpt, rel, str(e).split(": ", 1)[1]) from e
     return step

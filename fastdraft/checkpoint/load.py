@@ -27,14 +27,15 @@ from fastdraft.models.loading import iter_safetensors
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
                     optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any | None = None) -> LoadedState:
-    """Validates `path` first (a damaged checkpoint raises CorruptCheckpointError naming the file
-    before anything is changed), then copies the weights into `model`'s parameters in place (the
-    engine and CUDA graphs keep their storage) and restores optimizer, scheduler and RNGs.
-    model=None leaves the weights to the caller (a sharded actor builds itself from
-    `path / "model"`); the optimizer and scheduler states come back in the LoadedState too."""
+                    scheduler: Any | None = None, digests: bool = True) -> LoadedState:
+    """Validates `path` first, with every file's SHA-256 unless digests=False (a damaged
+    checkpoint raises CorruptCheckpointError naming the file before anything is changed), then
+    copies the weights into `model`'s parameters in place (the engine and CUDA graphs keep
+    their storage) and restores optimizer, scheduler and RNGs. model=None leaves the weights
+    to the caller (a sharded actor builds itself from `path / "model"`); the optimizer and
+    scheduler states come back in the LoadedState too."""
     path = Path(path)
-    validate(path)
+    validate(path, digests=digests)
     state = _read(path, STATE_FILE, lambda p: json.loads(p.read_text()))
     if state.get("format") != FORMAT:
         raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this fastdraft "

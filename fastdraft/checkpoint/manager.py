@@ -50,6 +50,7 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdraft-ckpt")
         self._pending: tuple[int, Future[Path]] | None = None
         self._mirror = HostMirror()
+        self._hashed: set[Path] = set()   # checkpoints latest(digests=True) has hashed
 
     def save(self, step: int, state: TrainState, block: bool = False) -> None:
         """Returns once the state is copied to host; the write goes on in the background unless
@@ -71,10 +72,12 @@ class CheckpointManager:
             raise CheckpointWriteError(f"background write of checkpoint "
                                        f"{self.root / step_dir_name(step)} failed: {e!r}") from e
 
-    def latest(self) -> Path | None:
+    def latest(self, digests: bool = False) -> Path | None:
         """The newest checkpoint that validates. Damaged and unfinished ones are skipped with a
         CheckpointWarning naming them, so a resumed run never loads half a checkpoint. Waits for
-        a pending write first: it counts, and the writer's pruning must not race the listing."""
+        a pending write first: it counts, and the writer's pruning must not race the listing.
+        digests=True (a resume) also hashes every file against COMPLETE: bytes damaged inside a
+        file of the right size skip that checkpoint too, and load() does not hash it again."""
         self.wait()
         for tmp in temp_dirs(self.root):
             warnings.warn(f"skipping {tmp}: an unfinished checkpoint write (the process died "
@@ -82,17 +85,22 @@ class CheckpointManager:
                           CheckpointWarning, stacklevel=2)
         for _, path in reversed(step_dirs(self.root)):
             try:
-                validate(path)
-                return path
+                validate(path, digests=digests)
             except CorruptCheckpointError as e:
                 warnings.warn(f"skipping {e}", CheckpointWarning, stacklevel=2)
+                continue
+            if digests:
+                self._hashed.add(path)
+            return path
         return None
 
     def load(self, path: str | Path, model: torch.nn.Module | None = None,
              optimizer: torch.optim.Optimizer | None = None,
              scheduler: Any | None = None) -> LoadedState:
-        """See fastdraft.checkpoint.load.load_checkpoint."""
-        return load_checkpoint(path, model, optimizer, scheduler)
+        """See fastdraft.checkpoint.load.load_checkpoint (digests checked unless latest() just
+        did)."""
+        return load_checkpoint(path, model, optimizer, scheduler,
+                               digests=Path(path) not in self._hashed)
 
     def close(self) -> None:
         """Waits for the pending write (raising its error) and stops the writer thread."""

@@ -1,6 +1,7 @@
 """Drafter checkpoints: `drafter_config.json` (kind, the policy shape it was trained for and its
 layer layout) and `model.safetensors` (trainable tensors only; embedding and lm_head belong to
-the policy)."""
+the policy), and `SHA256SUMS` over both (checked before a load: a file damaged on disk is named,
+never loaded)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.drafter.layout import LAYOUT_KEY, saved_layout
 from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
 from fastdraft.utils.atomic import atomic_dir
+from fastdraft.utils.file_digest import check_sums, write_sums
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,6 +34,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
         if drafter.draft_token_ids is not None:
             meta["draft_token_ids"] = drafter.draft_token_ids.tolist()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        write_sums(tmp)
 
 
 def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Drafter:
@@ -42,6 +45,7 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / CONFIG_FILE} not found: --drafter takes a directory "
                                 "written by `fastdraft drafter warmup` (or save_drafter)")
+    check_sums(path)
     meta = json.loads((path / CONFIG_FILE).read_text())
     trained_for = ModelConfig.from_hf_dict(meta["policy_config"])
     mismatches = [f"{f}: drafter {getattr(trained_for, f)} vs policy {getattr(policy.config, f)}"

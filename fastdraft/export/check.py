@@ -27,6 +27,7 @@ from fastdraft.export.rules import (
     why_unexpected,
 )
 from fastdraft.export.vocab import vocab_problems
+from fastdraft.utils.file_digest import check_sums
 
 _KIND_NAMES = {"eagle1": "EAGLE-1", "eagle3": "EAGLE-3"}
 _ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
@@ -68,6 +69,7 @@ def _read_export(export_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     if missing:
         raise ValueError(f"{export_dir} is not an exported drafter: {', '.join(missing)} "
                          "missing")
+    check_sums(export_dir)   # raises CorruptFileError (a ValueError) naming a damaged file
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:

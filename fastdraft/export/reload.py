@@ -15,6 +15,7 @@ from fastdraft.export.formats import CONFIG_FILE, EAGLE3_ARCHITECTURE, WEIGHTS_F
 from fastdraft.export.names import from_engine_names
 from fastdraft.export.vocab import target_ids_from_offsets
 from fastdraft.models import CausalLM, load_named_tensors
+from fastdraft.utils.file_digest import check_sums
 
 # bfloat16 keeps 8 significant bits: an lm_head exported from this policy is within this of it.
 _BF16_RTOL = 2.0 ** -7
@@ -26,6 +27,7 @@ def load_exported_drafter(export_dir: str | Path, policy: CausalLM, max_position
     export holds something a fastdraft drafter cannot represent (a non-zero fc.bias) or an
     lm_head that is not `policy`'s."""
     export_dir = Path(export_dir)
+    check_sums(export_dir)
     config = json.loads((export_dir / CONFIG_FILE).read_text())
     architecture = config["architectures"][0]
     kind = "eagle3" if architecture == EAGLE3_ARCHITECTURE else "eagle1"

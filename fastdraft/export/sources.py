@@ -17,6 +17,7 @@ from fastdraft.drafter import DRAFTERS, build_drafter
 from fastdraft.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from fastdraft.drafter.layout import LayerLayout, saved_layout
 from fastdraft.models import ModelConfig
+from fastdraft.utils.file_digest import check_sums
 
 # Fields whose disagreement means the drafter's weights do not fit the target's layout (or, for
 # num_hidden_layers, that EAGLE-3 read other aux layers than the engines will capture).
@@ -40,6 +41,7 @@ def read_drafter_checkpoint(drafter_dir: str | Path) -> DrafterCheckpoint:
         raise FileNotFoundError(f"{drafter_dir} is not a drafter checkpoint: it needs "
                                 f"{CONFIG_FILE} and {WEIGHTS_FILE} (written by `fastdraft "
                                 "drafter warmup` or save_drafter)")
+    check_sums(drafter_dir)
     meta = json.loads((drafter_dir / CONFIG_FILE).read_text())
     ids = meta.get("draft_token_ids")
     return DrafterCheckpoint(

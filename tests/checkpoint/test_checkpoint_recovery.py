@@ -108,3 +108,42 @@ def test_writer_error_surfaces_at_next_save_and_wait(tmp_path, model_and_opt, mo
         monkeypatch.setattr(write_mod, "save_model", disk_full)
         with manager:  # close() raises the last write's error too
             _save(manager, 5, model_and_opt)
+
+
+def _damage_inside(path, offset_from_end=64):
+    """Overwrites bytes inside the file's data, size unchanged: sizes and headers still agree."""
+    with path.open("r+b") as f:
+        f.seek(path.stat().st_size - offset_from_end)
+        f.write(bytes(16))
+
+
+def test_a_same_size_damaged_file_is_found_by_its_digest_at_resume(tmp_path, model_and_opt):
+    manager = CheckpointManager(tmp_path, keep=10)
+    for step in (1, 2):
+        _save(manager, step, model_and_opt)
+    manager.wait()
+    root = manager.root
+    weights = root / "step-000002" / "model" / "model.safetensors"
+    _damage_inside(weights)
+    assert manager.latest() == root / "step-000002"    # the cheap listing cannot see it
+    with pytest.warns(CheckpointWarning, match=r"step-000002/model/model\.safetensors.*SHA-256"):
+        assert manager.latest(digests=True) == root / "step-000001"
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors.*SHA-256"):
+        manager.load(root / "step-000002", tiny_model())       # a direct load hashes too
+    assert manager.load(root / "step-000001", tiny_model()).step == 1
+    manager.close()
+
+
+def test_a_checkpoint_written_before_digests_still_resumes(tmp_path, model_and_opt):
+    """COMPLETE used to record only sizes: such checkpoints are checked by size and load."""
+    import json
+    manager = CheckpointManager(tmp_path, keep=10)
+    _save(manager, 1, model_and_opt, block=True)
+    marker = manager.root / "step-000001" / "COMPLETE"
+    record = json.loads(marker.read_text())
+    assert all(len(e["sha256"]) == 64 for e in record["files"].values())
+    record["files"] = {rel: e["size"] for rel, e in record["files"].items()}
+    marker.write_text(json.dumps(record))
+    assert manager.latest(digests=True) == manager.root / "step-000001"
+    assert manager.load(manager.root / "step-000001", tiny_model()).step == 1
+    manager.close()

@@ -132,6 +132,12 @@ def test_checkpoint_roundtrip_and_mismatch(policy, tmp_path):
         load_drafter(tmp_path / "d", other, 64)
     with pytest.raises(FileNotFoundError, match=r"drafter_config\.json"):
         load_drafter(tmp_path / "missing", policy, 64)
+    weights = tmp_path / "d" / "model.safetensors"   # damaged on disk, size unchanged
+    with weights.open("r+b") as f:
+        f.seek(weights.stat().st_size - 8)
+        f.write(b"\x7f" * 8)
+    with pytest.raises(ValueError, match=r"d/model\.safetensors: its bytes differ"):
+        load_drafter(tmp_path / "d", policy, 64)
 
 
 def _random_eagle1_batch(policy, seed: int):

@@ -18,6 +18,7 @@ from fastdraft.drafter import (
 )
 from fastdraft.drafter.layout import LAYOUT_KEY
 from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.utils.file_digest import SUMS_FILE, write_sums
 
 _SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -88,6 +89,7 @@ def test_checkpoint_records_the_layout_and_old_checkpoints_load_as_trained(tmp_p
     meta = json.loads((tmp_path / "old" / "drafter_config.json").read_text())
     del meta[LAYOUT_KEY]
     (tmp_path / "old" / "drafter_config.json").write_text(json.dumps(meta))
+    (tmp_path / "old" / SUMS_FILE).unlink()   # older drafters kept no digests either
     loaded = load_drafter(tmp_path / "old", policy, 32)
     assert loaded.layout == LayerLayout.of(cfg) and loaded.layout.qk_norm
     features, ids = torch.randn(1, 4, 64), torch.randint(0, 64, (1, 4))
@@ -105,9 +107,11 @@ def test_a_malformed_saved_layout_is_refused_by_name(tmp_path):
     meta[LAYOUT_KEY] = {"qkv_bias": "yes", "o_proj_bias": False, "mlp_bias": False,
                         "qk_norm": False}
     (tmp_path / "d" / "drafter_config.json").write_text(json.dumps(meta))
+    write_sums(tmp_path / "d")   # a bad layout written as such, not a damaged file
     with pytest.raises(ValueError, match="qkv_bias must be true or false"):
         load_drafter(tmp_path / "d", policy, 16)
     meta[LAYOUT_KEY] = {"qkv_bias": True}
     (tmp_path / "d" / "drafter_config.json").write_text(json.dumps(meta))
+    write_sums(tmp_path / "d")   # a bad layout written as such, not a damaged file
     with pytest.raises(ValueError, match=f"{LAYOUT_KEY} must map exactly"):
         load_drafter(tmp_path / "d", policy, 16)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastdraft.export import check_export, export_drafter
+from fastdraft.utils.file_digest import SUMS_FILE
 from tests.export.conftest import load_policy, saved_drafter
 
 DRAFT_IDS = [9, 3, 17, 30]
@@ -33,7 +34,9 @@ def exports(llama_policy_dir, tmp_path_factory) -> dict[str, Path]:
 
 def _altered(src: Path, dst: Path, config: Callable[[dict], None] | None = None,
              tensors: Callable[[dict], None] | None = None) -> Path:
+    """A copy of an export edited by hand (so without the exporter's SHA256SUMS)."""
     shutil.copytree(src, dst)
+    (dst / SUMS_FILE).unlink()
     if config is not None:
         cfg = json.loads((dst / "config.json").read_text())
         config(cfg)
@@ -142,3 +145,14 @@ def test_export_replaces_an_earlier_export_but_nothing_else(llama_policy_dir, ex
     assert first == again == out / "sglang"
     check_export(again, "sglang", "eagle1")
     assert sorted(p.name for p in out.iterdir()) == ["sglang", "vllm"]  # no temp dirs left
+
+
+def test_an_export_damaged_on_disk_is_named_by_the_check(exports, tmp_path):
+    bad = tmp_path / "damaged"
+    shutil.copytree(exports["eagle3"], bad)
+    weights = bad / "model.safetensors"
+    with weights.open("r+b") as f:       # same size, bytes inside a tensor
+        f.seek(weights.stat().st_size - 8)
+        f.write(b"\x7f" * 8)
+    with pytest.raises(ValueError, match=r"model\.safetensors: its bytes differ"):
+        check_export(bad, "all", "eagle3")

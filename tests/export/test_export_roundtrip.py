@@ -14,6 +14,7 @@ from fastdraft.drafter.layout import LAYOUT_KEY
 from fastdraft.export import export_drafter, load_exported_drafter
 from fastdraft.export.names import to_engine_names
 from fastdraft.export.sources import read_policy_lm_head
+from fastdraft.utils.file_digest import SUMS_FILE
 from tests.conftest import make_tiny_checkpoint
 from tests.export.conftest import (
     MAX_POSITIONS,
@@ -38,6 +39,7 @@ def save_legacy_drafter(policy, kind: str, out):
     meta = json.loads((out / "drafter_config.json").read_text())
     del meta[LAYOUT_KEY]
     (out / "drafter_config.json").write_text(json.dumps(meta))
+    (out / SUMS_FILE).unlink()   # nor did it keep digests
     return drafter.eval()
 
 
