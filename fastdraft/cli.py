@@ -6,8 +6,10 @@ one line that says what to change."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,9 +292,17 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
     if args.dry_run:
         from fastdraft.rl.dry_run import dry_run
         return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir)
+    from fastdraft.rl.stop import RunStopped
     run_dir = args.run_dir or Path("runs") / cfg.name
-    run_recipe(cfg, run_dir, resume=args.resume or args.resume_force, cache_dir=args.cache_dir,
-               resume_force=args.resume_force)
+    try:
+        run_recipe(cfg, run_dir, resume=args.resume or args.resume_force,
+                   cache_dir=args.cache_dir, resume_force=args.resume_force)
+    except RunStopped as stopped:
+        command = shlex.join(["fastdraft", "run", str(args.recipe), *args.overrides,
+                              "--run-dir", str(run_dir), "--resume"])
+        print(f"fastdraft: stopped at step {stopped.step}; resume with: {command}",
+              file=sys.stderr)
+        return stopped.exit_code
     print(f"run directory: {run_dir} (metrics.jsonl, dashboard.png, checkpoints/, wandb/)")
     return 0
 
@@ -335,7 +345,23 @@ def plot_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line_warnings() -> None:
+    """fastdraft's own warnings (a skipped checkpoint, ...) as one line each: the message says
+    what happened and what to do; the source line of the warn() call says nothing to a user."""
+    default = warnings.formatwarning
+    if getattr(default, "fastdraft", False):
+        return
+
+    def format_warning(message, category, filename, lineno, line=None):
+        if category.__module__.startswith("fastdraft."):
+            return f"fastdraft: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+    format_warning.fastdraft = True   # type: ignore[attr-defined]
+    warnings.formatwarning = format_warning
+
+
 def main(argv: list[str] | None = None) -> int:
+    _one_line_warnings()
     parser = argparse.ArgumentParser(
         prog="fastdraft",
         description="fastdraft: lossless speculative rollouts for RL post-training")

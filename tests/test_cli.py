@@ -56,3 +56,18 @@ def test_overrides_may_follow_the_options_and_are_checked_there_too(tmp_path, ca
     with pytest.raises(SystemExit):
         main(["run", str(recipe), "--run-dir", str(tmp_path / "run"), "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_fastdraft_warnings_are_one_line_and_others_keep_their_form(monkeypatch):
+    import warnings
+
+    from fastdraft import cli
+    from fastdraft.checkpoint import CheckpointWarning
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    cli._one_line_warnings()
+    cli._one_line_warnings()   # main() may run many times in one process
+    ours = warnings.formatwarning("skipping step-000004: delete it", CheckpointWarning,
+                                  "run.py", 46, "latest = ...")
+    assert ours == "fastdraft: warning: skipping step-000004: delete it\n"
+    theirs = warnings.formatwarning("someone else's", UserWarning, "lib.py", 7, "warn()")
+    assert "lib.py:7: UserWarning: someone else's" in theirs

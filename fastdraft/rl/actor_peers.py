@@ -4,14 +4,12 @@ its ActorRank and then does what rank 0 asks, in the order it asks, so the colle
 
 Commands go over one pipe per rank: (method name, arguments); each rank answers ("ok", value)
 or ("error", traceback). Rank 0 never waits unboundedly: a rank that died is reported with its
-exit code. A rank dies with rank 0 (a parent-death signal), so a killed run leaves no orphans.
+exit code. A rank dies with rank 0 and leaves stop signals to it (utils/process.py), so a killed
+run leaves no orphans and a Ctrl-C lets the step under way finish.
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
-import sys
 import traceback
 from typing import Any
 
@@ -19,8 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+from fastdraft.utils.process import become_helper
 
-PR_SET_PDEATHSIG = 1
 REPLY_TIMEOUT_S = 3 * 3600.0   # one command (a long update, a checkpoint gather) at most
 
 
@@ -28,13 +26,8 @@ class ActorRankError(RuntimeError):
     """A follower rank failed or died; the message carries its traceback or exit code."""
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _serve(spec: ActorSpec, rank: int, conn: Any, num_threads: int) -> None:
-    _die_with_parent()
+    become_helper()
     torch.set_num_threads(num_threads)
     try:
         actor = ActorRank(spec, rank)

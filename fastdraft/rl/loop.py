@@ -13,6 +13,7 @@ import torch
 from fastdraft.engine import Completion, SamplingParams
 from fastdraft.rl.gate import GateTolerance, LosslessGateError, check_gate
 from fastdraft.rl.sequences import SequenceBatch, build_batch
+from fastdraft.rl.stop import StopRequest
 from fastdraft.rl.token_stats import TokenStats
 from fastdraft.utils.memory import rss_mb
 
@@ -21,9 +22,15 @@ if TYPE_CHECKING:
 
 
 def train(run: Run) -> None:
-    for step in range(run.start_step, run.cfg.algorithm.num_steps):
-        train_step(run, step)
-    run.finish()
+    """The run's steps, then its end (drafter saved and exported, dashboard). A SIGTERM or SIGINT
+    ends it after the step under way with a checkpoint and RunStopped (rl/stop.py)."""
+    last = run.cfg.algorithm.num_steps
+    with StopRequest() as stop:
+        for step in range(run.start_step, last):
+            train_step(run, step)
+            if stop.signum is not None and step + 1 < last:
+                run.stop(step + 1, stop.signum)
+        run.finish()
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

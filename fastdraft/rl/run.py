@@ -31,6 +31,7 @@ from fastdraft.rl.objective import Algorithm
 from fastdraft.rl.online_drafter import OnlineDrafter, trainer_aux_layers
 from fastdraft.rl.prompts import PromptSource
 from fastdraft.rl.resume_check import check_resume_config
+from fastdraft.rl.stop import RunStopped
 from fastdraft.utils.atomic import atomic_write_text
 from fastdraft.utils.device_memory import device_capacity
 
@@ -43,7 +44,7 @@ class Run:
         check_paths(cfg)
         self.cfg, self.run_dir = cfg, run_dir
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
-        latest = self.checkpoints.latest() if resume else None
+        latest = self.checkpoints.latest(digests=True) if resume else None
         if resume and latest is None:
             raise ValueError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}; "
                              "start a new run without --resume")
@@ -117,6 +118,7 @@ class Run:
             if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         self.last_checkpoint_s = 0.0
+        self.saved_step = self.start_step   # the step of the newest checkpoint of this run
 
     def on_finish(self, completion: Completion) -> None:
         for hook in self.on_finish_hooks:
@@ -151,6 +153,18 @@ class Run:
                 extra={"engine": self.engine.state_dict(),
                        "loss_scale": training["loss_scale"]}))
         self.last_checkpoint_s = time.perf_counter() - start
+        self.saved_step = step
+
+    def stop(self, step: int, signum: int) -> None:
+        """Ends the run after `step` steps on a stop signal: a checkpoint of it (unless the loop
+        just wrote one) on disk, the helpers closed; raises RunStopped."""
+        if self.saved_step != step:
+            self.save_checkpoint(step)
+        self.drafter.close()
+        self.actor.close()
+        self.checkpoints.close()   # waits for the write
+        self.logger.close()
+        raise RunStopped(step, signum, self.run_dir)
 
     def _drafter_state(self) -> dict[str, Any] | None:
         """What --resume puts back: the engine's last good drafter (trainable tensors) and its

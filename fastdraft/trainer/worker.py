@@ -37,6 +37,7 @@ from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
 from fastdraft.trainer.spot import PolicyHead, Published, SpotConfig, SpotStats, SpotTrainer
 from fastdraft.utils.memory import release_free_memory, rss_mb
+from fastdraft.utils.process import become_helper
 
 #: CUDA maps any larger number to its lowest stream priority.
 LOWEST_STREAM_PRIORITY = 1 << 20
@@ -70,6 +71,7 @@ class WorkerSetup:
 
 
 def _serve(setup: WorkerSetup, inbox: mp.Queue, replies: mp.Queue, go: Any, slots: Any) -> None:
+    become_helper()   # dies with the run; its stop signals are the run's to handle
     try:
         with _device_stream(torch.device(setup.spot.device)):
             _serve_loop(setup, inbox, replies, go, slots)

@@ -1,0 +1,29 @@
+"""What every helper process of a run (actor ranks, the drafter trainer) does first: die with the
+run's process, and leave the stop signals to it.
+
+A SIGKILLed or crashed run must leave no orphans: each helper asks the kernel for SIGKILL when
+its parent dies (Linux's parent-death signal). Ctrl-C reaches the whole foreground process group
+and schedulers (SLURM, Kubernetes) signal every process of a job; a helper that died of it would
+take the step under way with it. So helpers ignore SIGINT and SIGTERM: the run's process catches
+them, finishes its step, writes a checkpoint and then closes its helpers (rl/stop.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def become_helper() -> None:
+    """die_with_parent, and SIGINT / SIGTERM ignored (the run's process decides)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
