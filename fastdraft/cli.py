@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fastdraft",
         description="fastdraft: lossless speculative rollouts for RL post-training")
+    from fastdraft import __version__
+    parser.add_argument("--version", action="version", version=f"fastdraft {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fastdraft.cli import main
+
+TINY_RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny-grpo.yaml")
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path, capsys):
@@ -71,3 +75,24 @@ def test_fastdraft_warnings_are_one_line_and_others_keep_their_form(monkeypatch)
     assert ours == "fastdraft: warning: skipping step-000004: delete it\n"
     theirs = warnings.formatwarning("someone else's", UserWarning, "lib.py", 7, "warn()")
     assert "lib.py:7: UserWarning: someone else's" in theirs
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without CUDA")
+def test_a_cuda_recipe_on_a_torch_without_cuda_is_one_line_before_any_work(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["run", TINY_RECIPE, "model.device=cuda", "--run-dir",
+                 str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "model.device=cuda, but this torch" in err and "CUDA build" in err
+    assert "or set model.device=cpu" in err and len(err.strip().splitlines()) == 1
+    assert not run_dir.exists()          # nothing written, nothing bootstrapped
+    assert main(["run", TINY_RECIPE, "model.device=gpu"]) == 2
+    assert "model.device must be cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    from fastdraft import __version__
+    assert capsys.readouterr().out.strip() == f"fastdraft {__version__}"

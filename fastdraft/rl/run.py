@@ -42,6 +42,7 @@ class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False,
                  cache_dir: Path | None = None, resume_force: bool = False) -> None:
         check_paths(cfg)
+        check_devices(cfg)
         self.cfg, self.run_dir = cfg, run_dir
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
         latest = self.checkpoints.latest(digests=True) if resume else None
@@ -203,6 +204,26 @@ def check_paths(cfg: RunConfig) -> None:
     if missing:
         raise FileNotFoundError("the recipe names paths that do not exist: " + "; ".join(
             missing) + " (edit the recipe or override, e.g. model.path=/local/checkpoint)")
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """A CUDA device the recipe names must exist in this torch build, checked before any work
+    (torch's own error is an assertion deep inside the first allocation)."""
+    for key, device in (("model.device", cfg.model.device),
+                        ("drafter.online.device", cfg.drafter.online.device)):
+        if device is None or torch.device(device).type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            build = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda
+                     is None else f"this torch ({torch.__version__}) sees no CUDA device")
+            raise ValueError(f"{key}={device}, but {build}: install a CUDA build into the "
+                             "venv (.venv/bin/pip install torch --index-url https://download."
+                             "pytorch.org/whl/cu126; scripts/setup.sh keeps it) or set "
+                             f"{key}=cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={device}, but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:

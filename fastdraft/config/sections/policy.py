@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ class PolicyConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
+                 f"model.device must be cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.bootstrap in BOOTSTRAP_SPECS, f"model.bootstrap must be one of "
                  f"{BOOTSTRAP_SPECS.names()} (a bootstrap policy's spec), got {self.bootstrap!r}")
