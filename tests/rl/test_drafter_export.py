@@ -13,6 +13,7 @@ from fastdraft.drafter import LayerLayout, build_drafter, save_drafter
 from fastdraft.drafter.layout import LAYOUT_KEY
 from fastdraft.models import load_model
 from fastdraft.rl.drafter_export import export_run_drafter
+from fastdraft.utils.file_digest import SUMS_FILE
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -37,6 +38,7 @@ def _run_dir_with_drafter(policy_dir: Path, tmp_path: Path, kind: str,
         meta = json.loads(meta_file.read_text())
         del meta[LAYOUT_KEY]
         meta_file.write_text(json.dumps(meta))
+        (meta_file.parent / SUMS_FILE).unlink()   # nor did it keep digests
     return tmp_path / "run"
 
 
