@@ -51,5 +51,17 @@ class DataConfig:
         _require((self.task is None) != (self.path is None),
                  "data: set exactly one of data.task (a built-in task) and data.path (a local "
                  "parquet / JSONL file)")
+        _require(isinstance(self.task_options, dict), "data.task_options must be a mapping of "
+                 f"the task's options (e.g. max_terms: 40), got {self.task_options!r}")
+        if self.task is None:
+            _require(not self.task_options and self.task_pool is None,
+                     "data.task_options and data.task_pool belong to data.task: with data.path "
+                     "they would be ignored; remove them")
+        else:   # an unknown task or option fails when the recipe loads, not after a bootstrap
+            from fastdraft.rl.tasks import get_task
+            try:
+                get_task(self.task, **self.task_options)
+            except ValueError as err:
+                raise ValueError(f"data.task / data.task_options: {err}") from None
 
 

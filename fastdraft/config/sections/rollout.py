@@ -27,6 +27,8 @@ class TunerSection:
 
     def __post_init__(self) -> None:
         _require(self.elastic_threshold >= 2, "rollout.tuner.elastic_threshold must be >= 2")
+        _require(isinstance(self.buckets, dict), "rollout.tuner.buckets must map a batch size to "
+                 f"its arms, e.g. {{1: [eagle/6/4/16, off]}}, got {self.buckets!r}")
         if self.buckets:   # malformed arms fail when the recipe loads, not mid-run
             self.build(SpecConfig(method="eagle"), seed=0)
 

@@ -8,10 +8,11 @@ built from recipes with ``get_task(name, **kwargs)``.
 from __future__ import annotations
 
 import abc
+import difflib
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import ClassVar, TypeVar
 
 
@@ -85,12 +86,23 @@ def available_tasks() -> list[str]:
 
 
 def get_task(name: str, **kwargs: object) -> Task:
-    """Build the task registered as ``name`` with constructor ``kwargs``."""
+    """Build the task registered as ``name`` with constructor ``kwargs`` (its options); an
+    unknown name or option is a ValueError that lists what there is."""
     try:
         cls = _TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}: choose one of {available_tasks()}") from None
-    return cls(**kwargs)
+    options = [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else None
+    unknown = sorted(set(kwargs) - set(options)) if options is not None else []
+    if unknown:
+        hints = {k: difflib.get_close_matches(k, options, n=1) for k in unknown}
+        said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                         for k, h in hints.items())
+        raise ValueError(f"task {name!r} has no option {said}: its options are {options}")
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"task {name!r}: {err}") from None
 
 
 def length_percentiles(
