@@ -119,5 +119,5 @@ def validate(ckpt: Path, digests: bool = False) -> int:
                 try:
                     check_file(ckpt / rel, entry["sha256"])
                 except CorruptFileError as e:
-                    raise CorruptCheckpointError(ckpt, rel, str(e).split(": ", 1)[1]) from e
+                    raise CorruptCheckpointError(ckpt, rel, e.reason) from e
     return step

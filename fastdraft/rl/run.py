@@ -161,11 +161,15 @@ class Run:
         just wrote one) on disk, the helpers closed; raises RunStopped."""
         if self.saved_step != step:
             self.save_checkpoint(step)
-        self.drafter.close()
-        self.actor.close()
-        self.checkpoints.close()   # waits for the write
+        self._close_helpers()
         self.logger.close()
         raise RunStopped(step, signum, self.run_dir)
+
+    def _close_helpers(self) -> None:
+        """The drafter trainer and the actor's ranks ended, the last checkpoint on disk."""
+        self.drafter.close()
+        self.actor.close()
+        self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
         """What --resume puts back: the engine's last good drafter (trainable tensors) and its
@@ -173,9 +177,7 @@ class Run:
         return self.drafter.state_dict() or None
 
     def finish(self) -> None:
-        self.drafter.close()
-        self.actor.close()
-        self.checkpoints.close()
+        self._close_helpers()
         drafter = self.engine.model_drafter
         if drafter is not None:  # saved even unexported, so `fastdraft export --run` can retry
             from fastdraft.rl.drafter_export import export_run_drafter

@@ -19,7 +19,7 @@ class CorruptFileError(ValueError):
     """A file whose bytes are not the ones recorded when it was written; names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:
-        self.path = path
+        self.path, self.reason = path, reason
         super().__init__(f"{path}: {reason}")
 
 
