@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
-from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.engine import FinishReason, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from fastdraft.drafter.warmup import WarmupConfig
 from fastdraft.rl.tasks import Problem, get_task
+from fastdraft.rl.tasks.modsum import ANSWER_MARKER, ModSumTask, extract_answer, make_problem
 
 HELDOUT_SEED_OFFSET = 10_000  # demo/bench prompts come from seeds the bootstrap never trains on
 
@@ -101,6 +102,42 @@ def heldout_prompts(model_dir: Path, n: int, seed: int = 0, heldout: bool = True
     return [(encode_prompt(tokenizer, p.prompt), p.prompt, p) for p in problems]
 
 
+#: The default prompts' verdicts, as generate_demo prints them in front of each sample.
+VERDICTS = ("correct", "wrong", "unfinished")
+
+
+def verdict(task: ModSumTask, problem: Problem, completion: str, finish_reason: str) -> str:
+    """correct: the task's verifier accepts the final answer; unfinished: max_new_tokens ran
+    out before any answer; wrong: any other answer, or none before the end of the text."""
+    if task.reward(problem, completion) == 1.0:
+        return "correct"
+    if finish_reason == FinishReason.LENGTH and extract_answer(completion) is None:
+        return "unfinished"
+    return "wrong"
+
+
+def demo_header(task: ModSumTask, num_prompts: int, prompts_file: Path | None, bootstrap: bool,
+                max_new_tokens: int) -> list[str]:
+    """What the samples below are, so a column of "wrong" reads as the expected start of RL,
+    not as a broken install."""
+    if prompts_file is not None:
+        return [f"prompts: the first {num_prompts} of {prompts_file}; no verdicts: a prompt file "
+                "has no verifier (only the built-in task's prompts carry a checkable answer)"]
+    example = make_problem([7, 3, 9, 4])
+    lines = [f"prompts: {num_prompts} held-out problems of {task.name}, the bootstrap's synthetic "
+             f"task: the digits' running sum mod 10 (\"{example.prompt}\" -> "
+             f"\"{example.solution}\"), mostly a few terms, a few up to {task.max_terms} (a long "
+             "tail of answer lengths)"]
+    if bootstrap:
+        lines.append(f"policy: the tiny bootstrap policy, weak at {task.name} by design (right "
+                     "mostly on short problems); RL raises the reward: "
+                     "`fastdraft run recipes/tiny-grpo.yaml`")
+    lines.append(f"verdict: correct = right final answer (after '{ANSWER_MARKER}'); wrong = a "
+                 "wrong one, or none; unfinished = no answer within --max-new-tokens "
+                 f"({max_new_tokens})")
+    return lines
+
+
 def generate_demo(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -120,19 +157,25 @@ def generate_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outs = engine.generate([ids for ids, _, _ in items], params)
     elapsed = time.perf_counter() - start
-    rewards = []
+    print("\n".join(demo_header(task, len(items), args.prompts, args.model is None,
+                                args.max_new_tokens)))
+    rewards, verdicts = [], []
+    width = max(map(len, VERDICTS))
     for (_, text, problem), out in zip(items, outs):
         answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
         mark = ""
         if problem is not None:
             rewards.append(task.reward(problem, answer))
-            mark = "ok " if rewards[-1] == 1.0 else "bad"
-        print(f"{mark} {text}{answer}  [{len(out.token_ids)} tok, {out.finish_reason}]")
+            verdicts.append(verdict(task, problem, answer, out.finish_reason))
+            mark = f"{verdicts[-1]:<{width}} "
+        print(f"{mark}{text}{answer}  [{len(out.token_ids)} tok, {out.finish_reason}]")
     num_tokens = sum(len(o.token_ids) for o in outs)
     lengths = sorted(len(o.token_ids) for o in outs)
     print(f"{len(outs)} completions, {num_tokens} tokens in {elapsed:.2f}s "
           f"({num_tokens / elapsed:.0f} tok/s); answer length median {lengths[len(lengths) // 2]}, "
           f"max {lengths[-1]}")
-    if rewards:
-        print(f"reward mean {sum(rewards) / len(rewards):.2f} (T={args.temperature})")
+    if verdicts:
+        counts = ", ".join(f"{verdicts.count(v)} {v}" for v in VERDICTS)
+        print(f"verdicts: {counts}; reward mean {sum(rewards) / len(rewards):.2f} "
+              f"(T={args.temperature})")
     return 0

@@ -1,72 +1,139 @@
 """The run's dashboard: one PNG with reward, rollout time and its tail share, accept length and
-per-position acceptance, and tokens per second, per step (read from metrics.jsonl, so
-`fastdraft plot RUN_DIR` redraws it for any run, finished or not); with online drafter
-training, the drafter's top-1 agreement with the policy too."""
+acceptance by draft depth, and rollout tokens per second, per step (read from metrics.jsonl, so
+`fastdraft plot RUN_DIR` redraws it for any run, finished or not); with online drafter training,
+the drafter's top-1 agreement with the policy too. A reference run of the same recipe without
+speculation (`fastdraft bench recipe` writes one to OUT/off) adds its rollout time and tokens
+per second as dashed lines: the speedup is the gap between them."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from fastdraft.rl.metrics import read_metrics
 
 DASHBOARD_FILE = "dashboard.png"
+Rows = list[dict[str, Any]]
 
 
-def draw_dashboard(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
+def draw_dashboard(run_dir: str | Path, out: str | Path | None = None,
+                   reference: str | Path | None = None) -> Path:
+    """Saves the dashboard (default RUN_DIR/dashboard.png); reference: a plain-decoding run."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir} has no logged steps yet")
-    steps = [r["step"] + 1 for r in rows]
-
-    def series(key: str) -> list[float]:
-        return [r.get(key, float("nan")) for r in rows]
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    ax = axes[0][0]
-    ax.plot(steps, series("reward/mean"), marker="o")
-    ax.set(title="reward (mean over samples)", xlabel="step")
-    ax = axes[0][1]
-    total, tail = series("rollout/time_s"), series("rollout/tail_time_s")
-    ax.bar(steps, [t - s for t, s in zip(total, tail)], label="busy (>= half running)")
-    ax.bar(steps, tail, bottom=[t - s for t, s in zip(total, tail)], label="long tail")
-    ax.plot(steps, series("timing/step_s"), color="k", marker=".", label="whole step")
-    ax.set(title="rollout time per step (s)", xlabel="step")
-    ax.legend(fontsize=8)
-    ax = axes[1][0]
-    ax.plot(steps, series("rollout/accept_length"), marker="o", color="k", label="accept length")
-    positions = sorted({k for r in rows for k in r if k.startswith("rollout/accept_rate_pos")},
-                       key=lambda k: int(k.removeprefix("rollout/accept_rate_pos")))
-    twin = ax.twinx()
-    for key in positions:
-        twin.plot(steps, series(key), alpha=0.6, label=key.removeprefix("rollout/accept_rate_"))
-    twin.set_ylim(0, 1)
-    ax.set(title="speculation: accept length (left), acceptance by position (right)",
-           xlabel="step")
-    if positions:
-        twin.legend(fontsize=7, ncol=2)
-    ax = axes[1][1]
-    ax.plot(steps, series("rollout/tokens_per_s"), marker="o", label="rollout tokens / s")
-    ax.set(title="rollout tokens / s", xlabel="step")
-    if any("drafter/top1_acc" in r for r in rows):   # the drafter trained online
-        twin = ax.twinx()
-        twin.plot(steps, series("drafter/top1_acc"), color="tab:green", marker=".",
-                  label="drafter top-1 (online training)")
-        twin.set_ylim(0, 1)
-        twin.legend(fontsize=7, loc="lower right")
-        ax.set(title="rollout tokens / s; online drafter's top-1 agreement (right)")
-    fig.suptitle(str(run_dir))
-    fig.tight_layout()
+    reference_rows = None
+    if reference is not None:
+        reference = Path(reference)
+        reference_rows = read_metrics(reference)
+        if not reference_rows:
+            raise ValueError(f"the reference {reference} has no logged steps yet")
+        # Its lines are labelled "plain decoding": a speculating run there would lie.
+        if any("rollout/accept_length" in r for r in reference_rows):
+            raise ValueError(f"the reference {reference} speculates: give a run of the same "
+                             "recipe without speculation (e.g. `fastdraft bench recipe`'s OUT/off)")
+    fig = dashboard_figure(rows, reference_rows,
+                           reference_name=reference.name if reference else "",
+                           title=str(run_dir))
     out = Path(out) if out is not None else run_dir / DASHBOARD_FILE
+    # Written aside and renamed: a viewer refreshing the PNG mid-run never reads half of it.
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=out.parent)
     os.close(fd)
     fig.savefig(tmp, dpi=90)
-    plt.close(fig)
     os.replace(tmp, out)
     return out
+
+
+def dashboard_figure(rows: Rows, reference_rows: Rows | None = None, reference_name: str = "",
+                     title: str = "") -> Figure:
+    """The dashboard of `rows` (metrics.jsonl's lines), `reference_rows` dashed beside it.
+    A bare Figure, not pyplot: no global backend or figure registry to set up or leak."""
+    fig = Figure(figsize=(12, 7.5))
+    (reward_ax, time_ax), (accept_ax, speed_ax) = fig.subplots(2, 2)
+    for ax in (time_ax, accept_ax, speed_ax):
+        ax.sharex(reward_ax)   # one step range everywhere, even on a panel with no data
+    steps = _steps(rows)
+    reference_label = f"plain decoding ({reference_name or 'reference'})"
+
+    reward_ax.plot(steps, _series(rows, "reward/mean"), marker="o",
+                   label="mean over the step's samples")
+    reward_ax.set(title="reward", ylabel="reward (verifier score)")
+    _legend(reward_ax)
+
+    total, tail = _series(rows, "rollout/time_s"), _series(rows, "rollout/tail_time_s")
+    busy = [t - s for t, s in zip(total, tail)]
+    time_ax.bar(steps, busy, label="rollout, >= half the samples unfinished")
+    time_ax.bar(steps, tail, bottom=busy, label="rollout, long tail (< half unfinished)")
+    time_ax.plot(steps, _series(rows, "timing/step_s"), color="k", marker=".",
+                 label="whole step (rollout + training)")
+    if reference_rows:
+        time_ax.plot(_steps(reference_rows), _series(reference_rows, "rollout/time_s"),
+                     color="tab:red", linestyle="--", marker=".", label=reference_label)
+    time_ax.set(title="time per step", ylabel="time (s)")
+    _legend(time_ax)
+
+    if any("rollout/accept_length" in r for r in rows):
+        accept_ax.plot(steps, _series(rows, "rollout/accept_length"), marker="o", color="k",
+                       label="accept length")
+        prefix = "rollout/accept_rate_pos"
+        positions = sorted({int(k.removeprefix(prefix)) for r in rows for k in r
+                            if k.startswith(prefix)})
+        depth_ax = accept_ax.twinx()
+        for i in positions:   # pos i is the draft token at depth i + 1
+            depth_ax.plot(steps, _series(rows, f"{prefix}{i}"), alpha=0.6,
+                          label=f"draft depth {i + 1} accepted (right axis)")
+        depth_ax.set(ylim=(0, 1), ylabel="acceptance rate (fraction of verify steps)")
+        _legend(accept_ax, depth_ax, ncol=2)
+    else:
+        accept_ax.text(0.5, 0.5, "no speculation in this run", ha="center",
+                       transform=accept_ax.transAxes)
+    # 1 token per policy forward is plain decoding: the axis starts at no speedup.
+    accept_ax.set_ylim(bottom=1, top=max(2.0, accept_ax.get_ylim()[1]))
+    accept_ax.set(title="speculation", ylabel="accept length (tokens / verify step)")
+
+    speed_ax.plot(steps, _series(rows, "rollout/tokens_per_s"), marker="o",
+                  label="this run")
+    if reference_rows:
+        speed_ax.plot(_steps(reference_rows), _series(reference_rows, "rollout/tokens_per_s"),
+                      color="tab:red", linestyle="--", marker=".", label=reference_label)
+    speed_ax.set(title="rollout throughput", ylabel="throughput (generated tokens / s)")
+    if any("drafter/top1_acc" in r for r in rows):   # the drafter trained online
+        top1_ax = speed_ax.twinx()
+        top1_ax.plot(steps, _series(rows, "drafter/top1_acc"), color="tab:green", marker=".",
+                     label="online drafter's top-1 agreement with the policy (right axis)")
+        top1_ax.set(ylim=(0, 1), ylabel="top-1 agreement (fraction)")
+        _legend(speed_ax, top1_ax)
+    else:
+        _legend(speed_ax)
+
+    for ax in (reward_ax, time_ax, accept_ax, speed_ax):
+        ax.set_xlabel("step (as in metrics.jsonl)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # no step 0.5
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _steps(rows: Rows) -> list[int]:
+    return [r["step"] for r in rows]   # as logged (0-based), so a step reads the same in both
+
+
+def _series(rows: Rows, key: str) -> list[float]:
+    return [r.get(key, float("nan")) for r in rows]   # NaN: a gap where a step lacks the key
+
+
+def _legend(*axes: Axes, **kwargs: Any) -> None:
+    """One legend for an axis and its twin, drawn on the topmost so no line hides it."""
+    handles, labels = [], []
+    for ax in axes:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    axes[-1].legend(handles, labels, fontsize=7, **kwargs)
