@@ -1,18 +1,18 @@
 """Where a run's metrics go, every step: `metrics.jsonl` in the run directory (one JSON object a
-step, DESIGN.md's names), wandb (offline unless the user set it up: `logging.wandb.mode`), and
-one progress line on the terminal."""
+step, DESIGN.md's names), wandb (offline unless the user set it up: `logging.wandb.mode`;
+rl/wandb_run.py), and one progress line on the terminal."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from fastdraft.config.sections import LoggingConfig
+from fastdraft.rl.wandb_run import open_wandb
 from fastdraft.utils.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
@@ -39,18 +39,14 @@ class MetricsLogger:
         self.total_steps, self.start_step = total_steps, start_step
         self.show = cfg.progress
         self._started = time.perf_counter()
+        kept: list[dict[str, Any]] = []
         if self.path.exists():  # resume: steps after the checkpoint are redone, drop them
             kept = [r for r in read_metrics(run_dir) if r.get("step", 0) < start_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
         self.wandb = None
         if cfg.wandb.mode != "disabled":
-            import wandb
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.wandb = wandb.init(project=cfg.wandb.project, name=name, config=config,
-                                    dir=str(run_dir), mode=cfg.wandb.mode,
-                                    resume="allow" if start_step else None,
-                                    id=_wandb_id(run_dir))
+            self.wandb = open_wandb(run_dir, cfg.wandb, config, name, kept)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -79,11 +75,3 @@ class MetricsLogger:
 def _plain(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") and not isinstance(value, bool) else value
 
-
-def _wandb_id(run_dir: Path) -> str:
-    """One wandb run per run directory (a resumed run continues it)."""
-    id_file = run_dir / "wandb_id"
-    if not id_file.is_file():
-        import secrets
-        atomic_write_text(id_file, secrets.token_hex(4))
-    return id_file.read_text().strip()

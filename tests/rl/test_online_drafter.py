@@ -74,6 +74,29 @@ def _eagle_engine(path, drafter):
                          spec=SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=4))
 
 
+
+def test_after_a_resume_per_step_counters_stay_per_step_and_totals_continue(
+        char_policy, char_drafter, tmp_path):
+    """drafter/train_steps counts this step's micro-steps (within the cap) on the first step
+    after a resume too; drafter/preemptions and train_tokens are run totals: they continue from
+    the checkpoint, they do not restart."""
+    online = [f"drafter.path={char_drafter}", "rollout.spec.method=eagle",
+              "drafter.online.enabled=true", "drafter.online.token_budget=64",
+              "drafter.online.tail_fraction=1.0", "drafter.online.max_steps_per_step=3",
+              "drafter.export=false", "logging.dashboard=false"]
+    train(Run(_cfg(char_policy, *online, "algorithm.num_steps=3"), tmp_path / "run"))
+    train(Run(_cfg(char_policy, *online, "algorithm.num_steps=5"), tmp_path / "run",
+              resume=True))
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["drafter/train_steps"] <= 3 for r in rows)
+    # (the buffer's samples are not checkpointed: as at step 0, the first step after the resume
+    # fills it and the next one trains on it)
+    assert rows[4]["drafter/train_steps"] > 0
+    for key in ("drafter/preemptions", "drafter/train_tokens"):
+        totals = [r[key] for r in rows]
+        assert totals == sorted(totals) and totals[4] > totals[2] > 0, (key, totals)
+
 def test_a_collapsed_drafter_falls_back_to_plain_decoding(char_policy, char_drafter):
     from fastdraft.config.sections import OnlineDrafterConfig
     from fastdraft.rl.online_drafter import OnlineDrafter
