@@ -1,12 +1,14 @@
 """`fastdraft <command>`: run | plot | bootstrap | generate | drafter | bench. Each command
 registers its arguments and its runner by name; the heavy imports happen inside the runner so
-`--help` stays fast. User errors (ValueError, FileNotFoundError; the lossless gate's too) print
-one line that says what to change."""
+`--help` stays fast. User errors (errors.py: a FastdraftError, ValueError, FileNotFoundError, the
+lossless gate's, an OS error on a chosen directory) print one line that says what to change; a
+bug prints one line and leaves its traceback in a crash log."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 import warnings
@@ -38,7 +40,8 @@ def _cache_arg(p: argparse.ArgumentParser) -> None:
 def _bootstrap_args(p: argparse.ArgumentParser) -> None:
     _cache_arg(p)
     p.add_argument("--force", action="store_true", help="retrain even if a cached policy exists")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="training seed (each seed is its own cached policy)")
     p.add_argument("--spec", default="tiny",
                    help="named policy spec (fastdraft/bootstrap/spec.py): tiny (Qwen2, the tiny "
                         "recipe's) or tiny-qwen3 (Qwen3, head_dim 64)")
@@ -67,11 +70,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint dir (default: the bootstrap policy, trained if missing)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="local JSONL/parquet with a 'prompt' column (default: task prompts)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts to roll out")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
+    p.add_argument("--seed", type=int, default=0,
+                   help="picks the held-out task prompts and the sampling streams")
 
 
 @command("generate", "roll out prompts with RolloutEngine (default: the bootstrap demo)")(
@@ -93,7 +97,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
     p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed repeats (rollout: rounds after the warm-up round)")
     p.add_argument("--compile", action="store_true",
@@ -109,13 +113,16 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--methods", default="none,eagle,suffix")
+    p.add_argument("--temperatures", default="0,1",
+                   help="spec: comma-separated sampling temperatures (0: greedy)")
+    p.add_argument("--methods", default="none,eagle,suffix",
+                   help="spec: speculation methods side by side (none: plain decoding)")
     # On the 2-core CPU no swept shape (depth 4-9, topk 1-4, 6-20 nodes) beat this one reliably
     # across drafters, and it keeps the best greedy acceptance over 64 prompts (README).
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--tokens-to-verify", type=int, default=12)
+    p.add_argument("--depth", type=int, default=6, help="spec: draft tree depth")
+    p.add_argument("--topk", type=int, default=3, help="spec: children per draft tree node")
+    p.add_argument("--tokens-to-verify", type=int, default=12,
+                   help="spec: tree nodes verified per step")
     p.add_argument("--shape", default="qwen2.5-7b",
                    help="gpu: a real model shape with random weights (bench/real_shapes.py)")
     p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
@@ -240,7 +247,7 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
                         "over sampled acceptance (default: WarmupConfig's)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the N most frequent answer tokens only (default: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="rollout and training seed")
 
 
 @command("drafter", "train a drafter for a policy (offline warm-up)")(_drafter_args)
@@ -293,24 +300,35 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
         from fastdraft.rl.dry_run import dry_run
         return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir)
     from fastdraft.rl.stop import RunStopped
-    run_dir = args.run_dir or Path("runs") / cfg.name
+    args.run_dir = args.run_dir or Path("runs") / cfg.name   # main() names it in errors
     try:
-        run_recipe(cfg, run_dir, resume=args.resume or args.resume_force,
+        run_recipe(cfg, args.run_dir, resume=args.resume or args.resume_force,
                    cache_dir=args.cache_dir, resume_force=args.resume_force)
     except RunStopped as stopped:
-        command = shlex.join(["fastdraft", "run", str(args.recipe), *args.overrides,
-                              "--run-dir", str(run_dir), "--resume"])
-        print(f"fastdraft: stopped at step {stopped.step}; resume with: {command}",
-              file=sys.stderr)
+        how = " (the newest checkpoint; the step under way abandoned)" if stopped.abandoned else ""
+        print(f"fastdraft: {signal.Signals(stopped.signum).name}: stopped at step {stopped.step}"
+              f"{how}; {_restart_hint(args)}", file=sys.stderr)
         return stopped.exit_code
-    print(f"run directory: {run_dir} (metrics.jsonl, dashboard.png, checkpoints/, wandb/)")
+    print(f"run directory: {args.run_dir} (metrics.jsonl, dashboard.png, checkpoints/, wandb/)")
     return 0
+
+
+def _restart_hint(args: argparse.Namespace) -> str:
+    """How to go on with an interrupted `run`: --resume from its newest checkpoint, or start
+    again when it has none."""
+    from fastdraft.checkpoint.layout import step_dirs
+    has_checkpoint = bool(step_dirs(args.run_dir / "checkpoints"))
+    command = ["fastdraft", "run", str(args.recipe), *args.overrides, "--run-dir",
+               str(args.run_dir), *(["--resume"] if has_checkpoint else [])]
+    return (("resume with: " if has_checkpoint else "no checkpoint yet; start it again: ")
+            + shlex.join(command))
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", type=Path, required=True,
                    help="a run directory (its drafter/ and newest checkpoint's policy)")
-    p.add_argument("--format", choices=["sglang", "vllm", "all"], default="all")
+    p.add_argument("--format", choices=["sglang", "vllm", "all"], default="all",
+                   help="which engine's layout to write (all: both)")
     p.add_argument("--out", type=Path, default=None, help="default: RUN/export")
 
 
@@ -336,12 +354,15 @@ def export_cmd(args: argparse.Namespace) -> int:
 def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory (with metrics.jsonl)")
     p.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/dashboard.png")
+    p.add_argument("--reference", type=Path, default=None, metavar="RUN_DIR",
+                   help="a plain-decoding run of the same recipe, drawn dashed beside this one "
+                        "(e.g. `fastdraft bench recipe`'s OUT/off)")
 
 
 @command("plot", "redraw a run's dashboard PNG from its metrics.jsonl")(_plot_args)
 def plot_cmd(args: argparse.Namespace) -> int:
     from fastdraft.rl.dashboard import draw_dashboard
-    print(f"dashboard: {draw_dashboard(args.run_dir, args.out)}")
+    print(f"dashboard: {draw_dashboard(args.run_dir, args.out, args.reference)}")
     return 0
 
 
@@ -377,15 +398,56 @@ def main(argv: list[str] | None = None) -> int:
         setattr(args, trailing, [*getattr(args, trailing), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from fastdraft.rl.stop import interrupt_on_sigterm, stop_signal_in
+    interrupt_on_sigterm()
     start = time.perf_counter()
     try:
         code = COMMANDS[args.command][1](args)
-    except (ValueError, FileNotFoundError) as err:  # user errors: say what to change, no trace
-        print(f"fastdraft {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except BaseException as err:   # every failure ends in one line
+        signum = stop_signal_in(err)   # a stop before a run's steps, or in another command
+        if signum is not None:
+            hint = f"; {_restart_hint(args)}" if args.command == "run" and args.run_dir else ""
+            print(f"fastdraft {args.command}: stopped by {signal.Signals(signum).name}{hint}",
+                  file=sys.stderr)
+            return 128 + signum
+        if not isinstance(err, Exception):   # SystemExit
+            raise
+        return _report_failure(args, err)
+    finally:   # normally closed already; after a failure the exit must not wait for them
+        from fastdraft.utils.process import kill_helpers
+        kill_helpers()
     print(f"[fastdraft {args.command}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     return code
 
+
+def _report_failure(args: argparse.Namespace, err: Exception) -> int:
+    """A user error (errors.py): one line that says what to change, exit 2. Anything else is a
+    bug: one line, the traceback in a crash log (the run directory's, else the cache's), exit 1."""
+    from fastdraft.bootstrap.run import default_cache_dir
+    from fastdraft.errors import Place, os_error_in, user_error_line, write_crash_log
+    cache = getattr(args, "cache_dir", None) or default_cache_dir()
+    chosen = [(flag, getattr(args, flag[2:].replace("-", "_"), None))
+              for flag in ("--run-dir", "--out-dir", "--out", "--run")]
+    places = sorted((Place(Path(path), flag) for flag, path in
+                     [*chosen, ("--cache-dir ($FASTDRAFT_CACHE)", cache)] if path is not None),
+                    key=lambda place: -len(place.path.resolve().parts))   # the deepest names it
+    line = user_error_line(err, places)
+    if line is not None:
+        if args.command == "run" and getattr(args, "run_dir", None) and os_error_in(err):
+            line += f"; then {_restart_hint(args)}"   # a full disk mid-run loses no checkpoint
+        print(f"fastdraft {args.command}: error: {line}", file=sys.stderr)
+        return 2
+    # The run's directory first (--out may name a file: not there).
+    log = write_crash_log(err, [Path(path) for flag, path in chosen
+                                if path is not None and flag != "--out"] + [Path(cache)])
+    where = (f"the traceback is in {log}" if log is not None
+             else "no crash log could be written: the traceback follows")
+    print(f"fastdraft {args.command}: unexpected error (a bug in fastdraft; please report it "
+          f"with the crash log): {type(err).__name__}: {err}; {where}", file=sys.stderr)
+    if log is None:
+        import traceback
+        traceback.print_exception(err)
+    return 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,3 +96,77 @@ def test_version(capsys):
     assert exit_.value.code == 0
     from fastdraft import __version__
     assert capsys.readouterr().out.strip() == f"fastdraft {__version__}"
+
+
+def _failing_command(monkeypatch, error: BaseException, name: str = "plot") -> None:
+    """`fastdraft NAME` made to raise `error` (the handler is the same for every command)."""
+    import fastdraft.cli as cli
+    add_args, _, help_text = cli.COMMANDS[name]
+
+    def fail(args):
+        raise error
+    monkeypatch.setitem(cli.COMMANDS, name, (add_args, fail, help_text))
+
+
+def test_a_bug_is_one_line_and_its_traceback_goes_to_the_crash_log(monkeypatch, tmp_path,
+                                                                   capsys):
+    _failing_command(monkeypatch, KeyError("no-such-key"), "generate")
+    assert main(["generate", "--cache-dir", str(tmp_path / "cache")]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "unexpected error" in line and "KeyError" in line and "Traceback" not in line
+    log = tmp_path / "cache" / "crash.log"
+    assert f"the traceback is in {log}" in line
+    assert "Traceback" in log.read_text() and "raise error" in log.read_text()
+
+
+def test_an_os_error_under_a_chosen_dir_names_the_path_and_the_setting(monkeypatch, tmp_path,
+                                                                       capsys):
+    import errno
+    import os
+    bad = tmp_path / "out" / "x.png"
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(bad))
+    except OSError as cause:
+        wrapped = RuntimeError("background write failed")
+        wrapped.__cause__ = cause
+    _failing_command(monkeypatch, wrapped)
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"fastdraft plot: error: No space left on device: {bad} (under --out "
+                    f"{tmp_path / 'out'}): free space there or choose a directory on another "
+                    "disk")
+
+
+@pytest.mark.parametrize("error, code", [(KeyboardInterrupt(), 130)])
+def test_a_stop_outside_a_run_is_one_line(monkeypatch, tmp_path, capsys, error, code):
+    _failing_command(monkeypatch, error)
+    assert main(["plot", str(tmp_path)]) == code
+    assert capsys.readouterr().err.strip() == "fastdraft plot: stopped by SIGINT"
+
+
+def test_sigterm_outside_a_run_is_one_line_too(monkeypatch, tmp_path, capsys):
+    import signal
+
+    import fastdraft.cli as cli
+    add_args, _, help_text = cli.COMMANDS["plot"]
+
+    def terminated(args):
+        signal.raise_signal(signal.SIGTERM)   # main() turned SIGTERM into Interrupted
+    monkeypatch.setitem(cli.COMMANDS, "plot", (add_args, terminated, help_text))
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["plot", str(tmp_path)]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert capsys.readouterr().err.strip() == "fastdraft plot: stopped by SIGTERM"
+
+
+def test_every_flag_of_every_command_has_help_text():
+    import argparse
+
+    from fastdraft.cli import COMMANDS
+    for name, (add_args, _, _) in COMMANDS.items():
+        parser = argparse.ArgumentParser()
+        add_args(parser)
+        bare = [a.option_strings or a.dest for a in parser._actions if not a.help]
+        assert not bare, (name, bare)

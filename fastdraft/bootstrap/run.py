@@ -29,6 +29,7 @@ from fastdraft.bootstrap.policy import EOS_ID, encode_prompt, heldout_problems, 
 from fastdraft.bootstrap.spec import DEFAULT_SPEC, BootstrapSpec, get_spec
 from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
 from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.errors import Place, writable_dir
 from fastdraft.models import save_model
 from fastdraft.rl.tasks import Problem, Task, get_task, length_percentiles
 from fastdraft.utils.atomic import publish_dir
@@ -129,7 +130,8 @@ def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int 
         log(f"bootstrap policy (cached): {cached.policy_dir}")
         return cached
     previous = load_cached(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    # A read-only or full cache disk is one line now, not after minutes of training.
+    writable_dir(Place(final.parent, "--cache-dir ($FASTDRAFT_CACHE)"))
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         report = _build(tmp, final, spec, seed, log)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,7 @@ class CheckpointManager:
         self._pending: tuple[int, Future[Path]] | None = None
         self._mirror = HostMirror()
         self._hashed: set[Path] = set()   # checkpoints latest(digests=True) has hashed
+        self.last_write_s = 0.0   # the last background write's seconds (a stop's estimate)
 
     def save(self, step: int, state: TrainState, block: bool = False) -> None:
         """Returns once the state is copied to host; the write goes on in the background unless
@@ -116,8 +118,10 @@ class CheckpointManager:
         self.close()
 
     def _write(self, snap: Any) -> Path:
+        start = time.perf_counter()
         path = write_checkpoint(snap, self.root)
         self._prune(snap.step)
+        self.last_write_s = time.perf_counter() - start
         return path
 
     def _prune(self, step: int) -> None:

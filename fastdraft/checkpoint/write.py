@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from fastdraft.checkpoint.layout import (
     CONFIG_FILE,
     MARKER,
@@ -20,6 +18,7 @@ from fastdraft.checkpoint.layout import (
 from fastdraft.checkpoint.snapshot import Snapshot
 from fastdraft.models import save_model
 from fastdraft.utils.atomic import atomic_dir, atomic_write_text, fsync_dir, fsync_tree
+from fastdraft.utils.tensor_file import save_tensors
 
 
 def write_checkpoint(snap: Snapshot, ckpt_root: Path) -> Path:
@@ -32,7 +31,7 @@ def write_checkpoint(snap: Snapshot, ckpt_root: Path) -> Path:
     final = ckpt_root / step_dir_name(snap.step)
     with atomic_dir(final) as tmp:
         save_model(snap.model, tmp / MODEL_DIR)
-        save_file(snap.tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+        save_tensors(snap.tensors, str(tmp / TENSORS_FILE))
         (tmp / STATE_FILE).write_text(snap.state_json)
         (tmp / CONFIG_FILE).write_text(snap.config_json)
         fsync_tree(tmp)

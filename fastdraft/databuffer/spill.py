@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from fastdraft.databuffer.sample import Sample, SampleKey, WindowKey
 from fastdraft.utils.atomic import atomic_write_text, fsync_dir
+from fastdraft.utils.tensor_file import save_tensors
 
 MANIFEST = "manifest.json"
 LOCK_FILE = ".lock"
@@ -108,7 +108,7 @@ def _publish_shard(root: Path, name: str, tensors: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=root)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_tensors(tensors, tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.drafter.layout import LAYOUT_KEY, saved_layout
 from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
 from fastdraft.utils.atomic import atomic_dir
 from fastdraft.utils.file_digest import check_sums, write_sums
+from fastdraft.utils.tensor_file import save_tensors
 
 CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -28,7 +29,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
     """Atomic: a killed process never leaves a half-written drafter in place."""
     with atomic_dir(out_dir) as tmp:
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, str(tmp / WEIGHTS_FILE))
         meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(),
                 LAYOUT_KEY: drafter.layout.to_dict(), **(extra or {})}
         if drafter.draft_token_ids is not None:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from fastdraft.export.check import check_export
 from fastdraft.export.engine_config import engine_config
@@ -37,6 +36,7 @@ from fastdraft.export.vocab import (
 from fastdraft.models import ModelConfig
 from fastdraft.utils.atomic import atomic_dir, fsync_tree
 from fastdraft.utils.file_digest import write_sums
+from fastdraft.utils.tensor_file import save_tensors
 
 # The dtype both engines run drafters in. Writing it (rather than the checkpoint's float32)
 # halves the files and makes what the engine runs exactly what was checked.
@@ -68,7 +68,7 @@ def export_drafter(drafter_dir: str | Path, policy_dir: str | Path, out_dir: str
         for final, engines in targets.items():
             tmp = staged.enter_context(atomic_dir(final))
             tensors, config = variants[final]
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_tensors(tensors, str(tmp / WEIGHTS_FILE))
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             write_sums(tmp)   # the engines ignore it; `sha256sum -c SHA256SUMS` checks a copy
             check_export(tmp, "all" if len(engines) > 1 else engines[0], ckpt.kind,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
 from fastdraft.utils.atomic import atomic_dir
+from fastdraft.utils.tensor_file import save_tensors
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "vocab.json", "merges.txt")
@@ -95,7 +95,7 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
     leaves a half-written model where a complete one is expected."""
     with atomic_dir(out_dir) as tmp:
         tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, str(tmp / "model.safetensors"))
         hf = model.config.to_hf_dict()
         hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))

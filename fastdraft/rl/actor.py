@@ -133,9 +133,10 @@ class Actor:
         self.rank0.load_training_state(state)
         self._gather("the optimizer restore")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Ends the follower ranks (asked, then killed after timeout_s)."""
         if getattr(self, "peers", None) is not None:
-            self.peers.close()
+            self.peers.close(timeout_s)
             self.peers = None
             leave_ranks()
 

@@ -79,16 +79,16 @@ class ActorPeers:
     def started(self) -> None:
         self.gather("start-up")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         for conn, process in zip(self.conns, self.processes):
             if process.is_alive():
                 try:
                     conn.send(("close", ()))
-                    if conn.poll(30):
+                    if conn.poll(timeout_s):
                         conn.recv()
                 except (BrokenPipeError, EOFError, OSError):
                     pass
-            process.join(timeout=30)
+            process.join(timeout=timeout_s)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)

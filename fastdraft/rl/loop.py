@@ -23,11 +23,14 @@ if TYPE_CHECKING:
 
 def train(run: Run) -> None:
     """The run's steps, then its end (drafter saved and exported, dashboard). A SIGTERM or SIGINT
-    ends it after the step under way with a checkpoint and RunStopped (rl/stop.py)."""
+    ends it after the step under way with a checkpoint and RunStopped, or at once when that
+    does not fit in checkpoint.stop_grace_s (rl/stop.py)."""
     last = run.cfg.algorithm.num_steps
-    with StopRequest() as stop:
+    with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop) as stop:
         for step in range(run.start_step, last):
+            run.clock.start_step()
             train_step(run, step)
+            run.clock.end_step()
             if stop.signum is not None and step + 1 < last:
                 run.stop(step + 1, stop.signum)
         run.finish()

@@ -132,9 +132,9 @@ class OnlineDrafter:
     def end_update(self) -> None:
         self._pause()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         if self.worker is not None:
-            self.worker.close()
+            self.worker.close(timeout_s)
 
     def _pause(self) -> None:
         start = time.perf_counter()

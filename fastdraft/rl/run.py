@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,11 +15,12 @@ from typing import Any
 import torch
 
 from fastdraft.checkpoint import CheckpointManager, TrainState
-from fastdraft.checkpoint.layout import MODEL_DIR
+from fastdraft.checkpoint.layout import MODEL_DIR, validate
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
 from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.errors import Place, check_free_space, writable_dir
 from fastdraft.rl.actor import Actor
 from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.dashboard import draw_dashboard
@@ -31,7 +33,7 @@ from fastdraft.rl.objective import Algorithm
 from fastdraft.rl.online_drafter import OnlineDrafter, trainer_aux_layers
 from fastdraft.rl.prompts import PromptSource
 from fastdraft.rl.resume_check import check_resume_config
-from fastdraft.rl.stop import RunStopped
+from fastdraft.rl.stop import RunStopped, StepClock, stop_signal_in
 from fastdraft.utils.atomic import atomic_write_text
 from fastdraft.utils.device_memory import device_capacity
 
@@ -44,6 +46,8 @@ class Run:
         check_paths(cfg)
         check_devices(cfg)
         self.cfg, self.run_dir = cfg, run_dir
+        self.clock = StepClock()   # the step and checkpoint times a stop signal is judged by
+        place = Place(run_dir, "--run-dir")
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
         latest = self.checkpoints.latest(digests=True) if resume else None
         if resume and latest is None:
@@ -54,8 +58,7 @@ class Run:
                              "choose another --run-dir")
         if latest is not None:   # before anything is written: a refused resume changes nothing
             check_resume_config(latest, config_dict(cfg), resume_force)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
+        writable_dir(place)   # a read-only / full disk or a file in the way: one line, now
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.policy_dir = resolve_policy(cfg, cache_dir)
@@ -71,6 +74,8 @@ class Run:
         capacity = device_capacity(device).usable
         print("\n".join([*self.memory_plan.actor.lines(), *self.memory_plan.lines(capacity)]))
         check_run_plan(self.memory_plan.engine, self.memory_plan.actor, capacity)
+        check_free_space(place, int(1.1 * self.memory_plan.actor.host), "a checkpoint (fp32 "
+                         "weights and AdamW moments)")
         atomic_write_text(run_dir / "memory_plan.json",
                           json.dumps(self.memory_plan.as_dict(), indent=1))
         self.engine = RolloutEngine(
@@ -120,6 +125,8 @@ class Run:
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         self.last_checkpoint_s = 0.0
         self.saved_step = self.start_step   # the step of the newest checkpoint of this run
+        # Written once the run is built: a refused or failed start leaves the last one as it was.
+        dump_config(cfg, run_dir / "config.yaml")
 
     def on_finish(self, completion: Completion) -> None:
         for hook in self.on_finish_hooks:
@@ -154,6 +161,7 @@ class Run:
                 extra={"engine": self.engine.state_dict(),
                        "loss_scale": training["loss_scale"]}))
         self.last_checkpoint_s = time.perf_counter() - start
+        self.clock.checkpoint_s = self.last_checkpoint_s + self.checkpoints.last_write_s
         self.saved_step = step
 
     def stop(self, step: int, signum: int) -> None:
@@ -165,10 +173,28 @@ class Run:
         self.logger.close()
         raise RunStopped(step, signum, self.run_dir)
 
-    def _close_helpers(self) -> None:
-        """The drafter trainer and the actor's ranks ended, the last checkpoint on disk."""
-        self.drafter.close()
-        self.actor.close()
+    def abandon(self, signum: int) -> None:
+        """Ends the run at once on a stop signal (the step under way dropped): the helpers closed,
+        a checkpoint write under way finished; raises RunStopped naming the newest checkpoint."""
+        self.close_after_failure()   # the helpers have nothing to save: the checkpoint has it
+        latest = self.checkpoints.latest()
+        step = validate(latest) if latest is not None else 0
+        raise RunStopped(step, signum, self.run_dir, abandoned=True)
+
+    def close_after_failure(self) -> None:
+        """The helpers ended after an error (raised by the caller); a failure while closing is
+        printed, not raised over the error that matters."""
+        try:
+            self._close_helpers(timeout_s=2.0)
+            self.logger.close()
+        except Exception as err:   # the first error is the one to report
+            print(f"fastdraft: while closing after an error: {err!r}", file=sys.stderr)
+
+    def _close_helpers(self, timeout_s: float = 30.0) -> None:
+        """The drafter trainer and the actor's ranks ended (asked, killed after timeout_s), the
+        last checkpoint on disk."""
+        self.drafter.close(timeout_s)
+        self.actor.close(timeout_s)
         self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
@@ -218,10 +244,10 @@ def check_devices(cfg: RunConfig) -> None:
         if not torch.cuda.is_available():
             build = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda
                      is None else f"this torch ({torch.__version__}) sees no CUDA device")
-            raise ValueError(f"{key}={device}, but {build}: install a CUDA build into the "
-                             "venv (.venv/bin/pip install torch --index-url https://download."
-                             "pytorch.org/whl/cu126; scripts/setup.sh keeps it) or set "
-                             f"{key}=cpu")
+            raise ValueError(f"{key}={device}, but {build}: replace it with a CUDA build "
+                             "(.venv/bin/pip uninstall -y torch && FASTDRAFT_TORCH=torch "
+                             "FASTDRAFT_TORCH_INDEX=https://download.pytorch.org/whl/cu126 bash "
+                             f"scripts/setup.sh; README: Run on a GPU) or set {key}=cpu")
         index = torch.device(device).index
         if index is not None and index >= torch.cuda.device_count():
             raise ValueError(f"{key}={device}, but this machine has "
@@ -283,5 +309,14 @@ def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
                cache_dir: Path | None = None, resume_force: bool = False) -> Any:
     from fastdraft.rl.loop import train
     run = Run(cfg, run_dir, resume, cache_dir, resume_force)
-    train(run)
+    try:
+        train(run)
+    except BaseException as err:
+        # A stop signal may surface as the error it caused on its way out (a collective whose
+        # peer went away while a `finally` ran): it is still the stop the user asked for.
+        signum = stop_signal_in(err)
+        if signum is None:
+            run.close_after_failure()
+            raise
+        run.abandon(signum)
     return run

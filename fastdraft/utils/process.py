@@ -10,6 +10,8 @@ them, finishes its step, writes a checkpoint and then closes its helpers (rl/sto
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import os
 import signal
 import sys
 
@@ -17,9 +19,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    """SIGKILL this process when its parent dies (Linux; elsewhere nothing). A parent that died
+    before this call (while the helper was still importing) sends no signal: then exit now."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)
 
 
 def become_helper() -> None:
@@ -27,3 +33,14 @@ def become_helper() -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def kill_helpers(timeout_s: float = 5.0) -> None:
+    """SIGKILL every helper process still alive (the last thing a failed command does): a
+    helper ignores SIGTERM, so multiprocessing's exit handler, which terminates daemonic children
+    and then joins them, would otherwise wait for it forever."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout_s)

@@ -15,26 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
-from fastdraft.bootstrap.run import run_bootstrap
 from fastdraft.checkpoint.layout import step_dirs, validate
-from fastdraft.drafter import build_drafter, save_drafter
-from fastdraft.models import load_model
 
 pytestmark = pytest.mark.slow
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-grpo.yaml"
 CLI = [sys.executable, "-m", "fastdraft.cli"]
-
-
-@pytest.fixture(scope="module")
-def policy_and_drafter(tmp_path_factory):
-    policy_dir = run_bootstrap().policy_dir
-    policy = load_model(policy_dir)
-    torch.manual_seed(0)
-    drafter = tmp_path_factory.mktemp("stop-drafter")
-    save_drafter(build_drafter("eagle1", policy.config, 256).attach(policy), drafter)
-    return policy_dir, drafter
 
 
 def _start(policy_and_drafter, run_dir: Path) -> subprocess.Popen:

@@ -114,4 +114,11 @@ class DrafterConfig:
     export: bool = True                 # at the end of a run: RUN_DIR/drafter + RUN_DIR/export
     online: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
+    def __post_init__(self) -> None:
+        from fastdraft.drafter.base import DRAFTERS
+        _require(self.kind in DRAFTERS, f"drafter.kind: unknown drafter kind {self.kind!r}; "
+                 f"choose one of {sorted(DRAFTERS)}")
+        _require(self.warmup_steps >= 1 and self.warmup_rollouts >= 1,
+                 "drafter.warmup_steps and warmup_rollouts must be >= 1")
+
 

@@ -14,11 +14,19 @@ from fastdraft.config.sections.rollout import RolloutConfig
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
+    """every: steps between checkpoints; keep: the newest kept. stop_grace_s: what a stop signal
+    (SIGTERM, SIGINT) leaves before the hard kill a scheduler sends next (Kubernetes' and SLURM's
+    default: 30 s): the step under way is finished and checkpointed if the last step's time says
+    both fit in it, else abandoned (the newest checkpoint on disk is whole) -- a step killed
+    half-way would lose the same and waste the grace period."""
+
     every: int = 10
     keep: int = 2
+    stop_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         _require(self.every >= 1 and self.keep >= 1, "checkpoint.every and keep must be >= 1")
+        _require(self.stop_grace_s >= 0, "checkpoint.stop_grace_s must be >= 0 (seconds)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

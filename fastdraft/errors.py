@@ -1,0 +1,113 @@
+"""What the CLI tells a user when a command fails: a user error (a FastdraftError, a ValueError /
+FileNotFoundError raised by a check, an OS error on a directory the user chose) is one line that
+says what to change; anything else is a bug, told in one line with its traceback in a crash log.
+
+OS errors are recognised through the whole exception chain (a checkpoint write that hit a full
+disk arrives as a CheckpointWriteError whose cause is the OSError) and named by the setting that
+chose the directory (`--run-dir`, `--cache-dir`, ...), so the user knows what to change."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+CRASH_LOG = "crash.log"
+
+#: What to do about an OS error on a chosen directory, by errno.
+_REMEDIES = {
+    errno.ENOSPC: "free space there or choose a directory on another disk",
+    errno.EDQUOT: "free space there (the disk quota is full) or choose another directory",
+    errno.EROFS: "choose a directory on a writable filesystem",
+    errno.EACCES: "choose a directory you may write to",
+    errno.EPERM: "choose a directory you may write to",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
+    errno.EEXIST: "a file is in the way of a directory: choose another path",
+}
+
+
+class FastdraftError(Exception):
+    """A user error whose message says what to change (the CLI prints it as one line, exit 2)."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """A directory a command writes under, and the setting that chose it."""
+    path: Path
+    setting: str
+
+
+def writable_dir(place: Place) -> Path:
+    """Creates the directory and proves it takes a file, before any work is spent: a read-only
+    or full disk, or a file in the way, is one line naming the path and the setting."""
+    try:
+        place.path.mkdir(parents=True, exist_ok=True)
+        probe = place.path / f".fastdraft-probe-{os.getpid()}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as err:
+        raise FastdraftError(describe_os_error(err, [place])) from None
+    return place.path
+
+
+def check_free_space(place: Place, need_bytes: int, what: str) -> None:
+    """`need_bytes` free under the place, or one line saying how much is missing."""
+    free = shutil.disk_usage(place.path).free
+    if free < need_bytes:
+        raise FastdraftError(
+            f"{place.setting} {place.path}: {free / 1e6:,.1f} MB free on its disk, {what} needs "
+            f"about {need_bytes / 1e6:,.1f} MB: {_REMEDIES[errno.ENOSPC]}")
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The first OSError naming a file in err's chain (cause or context), if any."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.filename is not None:
+            return err
+        err = err.__cause__ or err.__context__   # type: ignore[assignment]
+    return None
+
+
+def describe_os_error(err: OSError, places: list[Place]) -> str:
+    """`<reason>: <file> (under <setting> <dir>): <remedy>`."""
+    filename = Path(os.fsdecode(err.filename))
+    line = f"{err.strerror or err}: {filename}"
+    place = next((p for p in places if _within(filename, p.path)), None)
+    if place is not None:
+        line += f" (under {place.setting} {place.path})"
+    remedy = _REMEDIES.get(err.errno or 0)
+    return f"{line}: {remedy}" if remedy else line
+
+
+def user_error_line(err: BaseException, places: list[Place]) -> str | None:
+    """The one line for a user error; None for a bug."""
+    if isinstance(err, (FastdraftError, ValueError, FileNotFoundError)):
+        return str(err)
+    found = os_error_in(err)
+    return describe_os_error(found, places) if found is not None else None
+
+
+def write_crash_log(err: BaseException, candidates: list[Path]) -> Path | None:
+    """The traceback in the first of `candidates` that takes it (None: none did)."""
+    text = "".join(traceback.format_exception(err))
+    for directory in candidates:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / CRASH_LOG).write_text(text)
+            return directory / CRASH_LOG
+        except OSError:
+            continue
+    return None
+
+
+def _within(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False

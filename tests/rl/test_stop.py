@@ -1,0 +1,59 @@
+"""The stop decision (rl/stop.py): the first SIGTERM / SIGINT finishes the step under way when it
+and its checkpoint fit in the grace period, else abandons it at once; a second one abandons."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from fastdraft.rl.stop import Interrupted, StepClock, StopRequest, stop_signal_in
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_step_that_fits_the_grace_period_is_finished(signum):
+    with StopRequest(grace_s=30, time_to_stop=lambda: 2.0) as stop:
+        signal.raise_signal(signum)
+        assert stop.signum == signum   # a flag for the loop: nothing raised
+        with pytest.raises(Interrupted):   # the second signal stops at once
+            signal.raise_signal(signum)
+
+
+@pytest.mark.parametrize("needed", [31.0, None])
+def test_a_step_that_does_not_fit_or_is_not_timed_yet_is_abandoned(needed):
+    with (StopRequest(grace_s=30, time_to_stop=lambda: needed) as stop,
+          pytest.raises(Interrupted) as stopped):
+        signal.raise_signal(signal.SIGTERM)
+    assert stopped.value.signum == signal.SIGTERM and stop.signum is None
+
+
+def test_the_handlers_are_restored_after_the_context():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_clock_estimates_what_is_left_of_the_step_and_the_checkpoint():
+    clock = StepClock()
+    clock.checkpoint_s = 1.5
+    assert clock.time_to_stop() == 1.5   # between steps: the checkpoint only
+    clock.start_step()
+    assert clock.time_to_stop() is None   # no step timed yet
+    clock.last_step_s = 10.0
+    assert 10.0 < clock.time_to_stop() <= 11.5
+    clock.started = time.perf_counter() - 20   # overran the last step's time
+    assert clock.time_to_stop() == 1.5
+
+
+def test_a_stop_is_found_behind_the_error_it_caused():
+    try:
+        try:
+            raise Interrupted(signal.SIGTERM)
+        except Interrupted:
+            raise RuntimeError("a collective's peer went away") from None
+    except RuntimeError as err:
+        caused = err
+    assert stop_signal_in(caused) == signal.SIGTERM
+    assert stop_signal_in(RuntimeError("plain")) is None
