@@ -69,7 +69,9 @@ def os_error_in(err: BaseException) -> OSError | None:
         seen.add(id(err))
         if isinstance(err, OSError) and err.filename is not None:
             return err
-        err = err.__cause__ or err.__context__   # type: ignore[assignment]
+        # `raise ... from None` hides the context: what it replaced is not the story
+        err = err.__cause__ or (None if err.__suppress_context__  # type: ignore[assignment]
+                                else err.__context__)
     return None
 
 

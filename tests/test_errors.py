@@ -14,6 +14,7 @@ from fastdraft.errors import (
     Place,
     check_free_space,
     describe_os_error,
+    os_error_in,
     user_error_line,
     writable_dir,
 )
@@ -56,3 +57,14 @@ def test_an_error_outside_every_place_still_names_its_file():
     err = OSError(errno.EACCES, os.strerror(errno.EACCES), "/elsewhere/f")
     assert describe_os_error(err, []) == ("Permission denied: /elsewhere/f: choose a directory "
                                           "you may write to")
+
+
+def test_an_error_raised_from_none_hides_the_os_error_it_replaced():
+    try:
+        try:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/x")
+        except OSError:
+            raise ValueError("what to change") from None
+    except ValueError as err:
+        replaced = err
+    assert os_error_in(replaced) is None

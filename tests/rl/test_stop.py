@@ -51,8 +51,8 @@ def test_a_stop_is_found_behind_the_error_it_caused():
     try:
         try:
             raise Interrupted(signal.SIGTERM)
-        except Interrupted:
-            raise RuntimeError("a collective's peer went away") from None
+        finally:   # a `finally` whose collective fails as the stop unwinds
+            raise RuntimeError("a collective's peer went away")
     except RuntimeError as err:
         caused = err
     assert stop_signal_in(caused) == signal.SIGTERM
