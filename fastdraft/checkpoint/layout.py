@@ -40,10 +40,15 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint directory that is incomplete or damaged; the message names the file."""
 
     def __init__(self, ckpt: Path, file: str, reason: str) -> None:
-        self.path, self.file = ckpt, file
+        self.path, self.file, self.reason = ckpt, file, reason
         super().__init__(f"checkpoint {ckpt} is incomplete or corrupt: {ckpt / file}: {reason}. "
                          f"Delete {ckpt} and resume from an older checkpoint "
                          "(CheckpointManager.latest() skips damaged ones).")
+
+    def skipped(self) -> str:
+        """The one line of a resume that passes over it (the older checkpoint is used)."""
+        return (f"skipping the damaged checkpoint {self.path}: {self.path / self.file}: "
+                f"{self.reason}; trying the one before it (delete the damaged one when done)")
 
 
 def step_dir_name(step: int) -> str:

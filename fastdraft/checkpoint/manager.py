@@ -89,7 +89,7 @@ class CheckpointManager:
             try:
                 validate(path, digests=digests)
             except CorruptCheckpointError as e:
-                warnings.warn(f"skipping {e}", CheckpointWarning, stacklevel=2)
+                warnings.warn(e.skipped(), CheckpointWarning, stacklevel=2)
                 continue
             if digests:
                 self._hashed.add(path)
