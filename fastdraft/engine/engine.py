@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,13 +50,13 @@ from fastdraft.engine.spec.tuner import OFF, TunerConfig, arm_name, check_tuner
 from fastdraft.engine.spec_step import SpeculativeStep
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.engine.trace import RolloutTrace
-from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model, load_named_tensors
-from fastdraft.utils.digest import tensor_digest
+from fastdraft.engine.updates import BetweenSteps
+from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model
 
 OnFinish = Callable[[Completion], None]
 
 
-class RolloutEngine(SpeculativeStep):
+class RolloutEngine(SpeculativeStep, BetweenSteps):
     """graphs: capture steps as CUDA graphs (default: on for CUDA devices, off elsewhere);
     buckets: the batch / context padding ladders (default: graph ladders when graphs are on,
     exact sizes otherwise)."""
@@ -225,75 +225,6 @@ class RolloutEngine(SpeculativeStep):
         self.hidden_sink = None
         trace.finish()
         return [c for c in results if c is not None]
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                     version: int | None = None) -> int:
-        """Updates the policy in place (HF names); returns the new policy version."""
-        load_named_tensors(self.model, named_tensors)
-        self.proposer.refresh()
-        self.policy_version = self.policy_version + 1 if version is None else version
-        return self.policy_version
-
-    def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None, checksum: str | None = None) -> int:
-        """Updates the drafter's trainable tensors in place; returns the new drafter version.
-        checksum (utils/digest.tensor_digest of the tensors, as published): checked before
-        anything is loaded, so a corrupted drafter never reaches the engine."""
-        drafter = self.model_drafter
-        if drafter is None:
-            raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
-        named_tensors = list(named_tensors)
-        if checksum is not None and (got := tensor_digest(named_tensors)) != checksum:
-            raise ValueError(f"drafter version {version}: the received tensors' checksum {got} "
-                             f"is not the published {checksum}; nothing was loaded")
-        load_named_tensors(drafter, named_tensors)
-        self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
-        return self.drafter_version
-
-    @property
-    def model_drafter(self) -> torch.nn.Module | None:
-        """The proposer's trained drafter (EAGLE), None for model-free proposers."""
-        drafter = getattr(self.proposer, "drafter", None)
-        return drafter if isinstance(drafter, torch.nn.Module) else None
-
-    def fall_back_to_plain(self, reason: str) -> None:
-        """Plain decoding from the next generate call on: a broken drafter must never make
-        rollouts slower than plain decoding. `fallback_reason` says why."""
-        self.spec = SpecConfig(method="none")
-        self.drafter_version = None
-        self.fallback_reason = reason
-
-    def resume_speculation(self, spec: SpecConfig) -> None:
-        """Speculation back on after `fall_back_to_plain` (between generate calls), with the
-        config it ran before: the fallback left the envelope, caches and proposer as they
-        were, and plain steps kept feeding the drafter."""
-        if not spec.enabled:
-            raise ValueError("resume_speculation needs a speculative spec (the one before the "
-                             "fallback)")
-        self.spec, self.fallback_reason = spec, None
-
-    def state_dict(self) -> dict:
-        """What the engine learned by measuring and keeps across RL steps (JSON): the tuner's
-        rewards, budgets' answer-length history, model-free drafters' rollout windows, the RL
-        step. A resumed run loads it and rolls out as an unbroken one would."""
-        parts = {"tuner": self.tuner, "budget": self.budget}
-        return {"rl_step": self.rl_step, "proposer": self.proposer.state_dict(),
-                **{name: part.state_dict() for name, part in parts.items() if part is not None}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rl_step = int(state["rl_step"])
-        self.proposer.load_state_dict(state["proposer"])
-        if self.tuner is not None and "tuner" in state:
-            self.tuner.load_state_dict(state["tuner"])
-        if self.budget is not None and "budget" in state:
-            self.budget.load_state_dict(state["budget"])
-
-    def advance_step(self) -> None:
-        """Marks the end of an RL step (model-free drafters slide their rollout window)."""
-        self.rl_step += 1
-        self.proposer.advance_step(self.rl_step)
-        if self.budget is not None:
-            self.budget.advance_step()
 
     # ------------------------------------------------------------------------------ one step
     @torch.inference_mode()

@@ -16,6 +16,7 @@ from fastdraft.rl.sequences import SequenceBatch, build_batch
 from fastdraft.rl.stop import StopRequest
 from fastdraft.rl.token_stats import TokenStats
 from fastdraft.utils.memory import rss_mb
+from fastdraft.utils.process import kill_helpers
 
 if TYPE_CHECKING:
     from fastdraft.rl.run import Run
@@ -26,7 +27,8 @@ def train(run: Run) -> None:
     ends it after the step under way with a checkpoint and RunStopped, or at once when that
     does not fit in checkpoint.stop_grace_s (rl/stop.py)."""
     last = run.cfg.algorithm.num_steps
-    with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop) as stop:
+    with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop,
+                     on_abandon=kill_helpers) as stop:
         for step in range(run.start_step, last):
             run.clock.start_step()
             train_step(run, step)

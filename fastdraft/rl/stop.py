@@ -71,9 +71,14 @@ class StopRequest:
     or after the context, the handlers are the old ones."""
 
     def __init__(self, grace_s: float = float("inf"),
-                 time_to_stop: Callable[[], float | None] = lambda: 0.0) -> None:
+                 time_to_stop: Callable[[], float | None] = lambda: 0.0,
+                 on_abandon: Callable[[], None] = lambda: None) -> None:
         self.signum: int | None = None
         self.grace_s, self.time_to_stop = grace_s, time_to_stop
+        # Runs before Interrupted is raised: the run's helpers killed first, so a collective
+        # the unwinding reaches fails at once (its peer is gone) instead of meeting a peer
+        # that is inside another collective (gloo aborts the process on that mismatch).
+        self.on_abandon = on_abandon
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -90,6 +95,7 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signum is not None:   # the second signal: stop now
             self.__exit__()
+            self.on_abandon()
             raise Interrupted(signum)
         needed = self.time_to_stop()
         if needed is None or needed > self.grace_s:
@@ -98,6 +104,7 @@ class StopRequest:
                   f"checkpointing it takes {known}; checkpoint.stop_grace_s is "
                   f"{self.grace_s:g} s)", file=sys.stderr, flush=True)
             self.__exit__()
+            self.on_abandon()
             raise Interrupted(signum)
         self.signum = signum
         print(f"\nfastdraft: {name}: stopping after this step, with a checkpoint (~{needed:.0f} "

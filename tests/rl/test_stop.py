@@ -57,3 +57,15 @@ def test_a_stop_is_found_behind_the_error_it_caused():
         caused = err
     assert stop_signal_in(caused) == signal.SIGTERM
     assert stop_signal_in(RuntimeError("plain")) is None
+
+
+def test_an_abandoned_step_kills_the_helpers_before_it_unwinds():
+    order = []
+    with (StopRequest(grace_s=0, time_to_stop=lambda: 5.0,
+                      on_abandon=lambda: order.append("helpers killed")),
+          pytest.raises(Interrupted)):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        finally:
+            order.append("unwound")
+    assert order == ["helpers killed", "unwound"]
