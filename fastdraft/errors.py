@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,17 +63,22 @@ def check_free_space(place: Place, need_bytes: int, what: str) -> None:
             f"about {need_bytes / 1e6:,.1f} MB: {_REMEDIES[errno.ENOSPC]}")
 
 
-def os_error_in(err: BaseException) -> OSError | None:
-    """The first OSError naming a file in err's chain (cause or context), if any."""
+def exception_chain(err: BaseException | None, hidden: bool = False
+                    ) -> Iterator[BaseException]:
+    """err, then what it was raised from or during, and so on. A `raise ... from None` ends the
+    chain (what it replaced is not the story) unless `hidden`."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.filename is not None:
-            return err
-        # `raise ... from None` hides the context: what it replaced is not the story
-        err = err.__cause__ or (None if err.__suppress_context__  # type: ignore[assignment]
-                                else err.__context__)
-    return None
+        yield err
+        suppressed = err.__suppress_context__ and not hidden
+        err = err.__cause__ or (None if suppressed else err.__context__)
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The first OSError naming a file in err's chain, if any."""
+    return next((e for e in exception_chain(err)
+                 if isinstance(e, OSError) and e.filename is not None), None)
 
 
 def describe_os_error(err: OSError, places: list[Place]) -> str:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from fastdraft.errors import exception_chain
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -44,14 +46,11 @@ class Interrupted(BaseException):
 def stop_signal_in(err: BaseException) -> int | None:
     """The signal of the Interrupted / KeyboardInterrupt in err's chain (itself, its cause or
     its context), if any."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, Interrupted):
-            return err.signum
-        if isinstance(err, KeyboardInterrupt):
+    for link in exception_chain(err, hidden=True):   # a stop is a stop, even replaced
+        if isinstance(link, Interrupted):
+            return link.signum
+        if isinstance(link, KeyboardInterrupt):
             return signal.SIGINT
-        err = err.__cause__ or err.__context__   # type: ignore[assignment]
     return None
 
 

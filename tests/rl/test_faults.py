@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from fastdraft.checkpoint.layout import step_dirs, validate
-from tests.rl.test_stop_signals import CLI, RECIPE, _gone
+from tests.rl.test_stop_signals import CLI, RECIPE
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -60,11 +60,26 @@ def unbroken(policy_and_drafter, tmp_path_factory) -> tuple[list[dict], float]:
     return _metrics(run_dir), time.monotonic() - start
 
 
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+def _tagged(tag: str) -> list[psutil.Process]:
+    """The live processes whose environment carries FASTDRAFT_FAULT_TAG=tag: the run and every
+    process it started, however late (a snapshot of its children can miss one spawned just
+    before the signal)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if (process.status() != psutil.STATUS_ZOMBIE
+                    and process.environ().get("FASTDRAFT_FAULT_TAG") == tag):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _none_tagged(tag: str, timeout: float = 20.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 @pytest.mark.parametrize("signum, grace", [
@@ -78,20 +93,21 @@ def test_a_signal_at_a_random_point_leaves_nothing_and_the_run_resumes_exactly(
     # Anywhere from the start-up (imports, the engine's build) to the last step.
     expected, wall_s = unbroken
     delay = random.Random(SEED * 100 + signum * 10 + grace).uniform(0.1, 0.9) * wall_s
+    tag = f"{os.getpid()}-{signum}-{grace}-{time.monotonic_ns()}"
     proc = subprocess.Popen([*CLI, "run", str(RECIPE), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    helpers: dict[int, psutil.Process] = {}
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "FASTDRAFT_FAULT_TAG": tag})
     deadline = time.monotonic() + delay
     while time.monotonic() < deadline and proc.poll() is None:
-        helpers.update({p.pid: p for p in _descendants(proc.pid)})
         time.sleep(0.05)
     where = f"signal {signal.Signals(signum).name} after {delay:.1f} s (seed {SEED})"
     if proc.poll() is not None:
         pytest.skip(f"the run ended before the {where}")
+    assert proc.pid in {p.pid for p in _tagged(tag)}   # the check below sees the run's tree
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert _gone(list(helpers.values())), (where, [p.pid for p in helpers.values()
-                                                   if p.is_running()])
+    left = _none_tagged(tag)
+    assert not left, (where, [(p.pid, p.cmdline()[-2:]) for p in left])
     assert "Traceback" not in err, (where, err)
     if signum == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL

@@ -1,0 +1,153 @@
+"""`fastdraft bench WHICH`: its arguments and the dispatch to each bench (engine, spec, gpu,
+recipe, drafter, rollout). cli.py registers it; torch and the benches load inside the runner so
+`--help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout"],
+                   help="what to benchmark")
+    p.add_argument("recipe_args", nargs="*", default=[],
+                   help="recipe, drafter, rollout: RECIPE.yaml [section.key=value ...] (default: "
+                        "recipes/tiny-grpo.yaml)")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
+    p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats (rollout: rounds after the warm-up round)")
+    p.add_argument("--compile", action="store_true",
+                   help="spec: torch.compile every method's steps (slow to warm up)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="engine: skip the torch.compile'd engine rows (saves ~1 min); "
+                        "gpu: measure without torch.compile")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts per row, rolled out batch_size at a time")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
+                        "if missing)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--temperatures", default="0,1",
+                   help="spec: comma-separated sampling temperatures (0: greedy)")
+    p.add_argument("--methods", default="none,eagle,suffix",
+                   help="spec: speculation methods side by side (none: plain decoding)")
+    # On the 2-core CPU no swept shape (depth 4-9, topk 1-4, 6-20 nodes) beat this one reliably
+    # across drafters, and it keeps the best greedy acceptance over 64 prompts (README).
+    p.add_argument("--depth", type=int, default=6, help="spec: draft tree depth")
+    p.add_argument("--topk", type=int, default=3, help="spec: children per draft tree node")
+    p.add_argument("--tokens-to-verify", type=int, default=12,
+                   help="spec: tree nodes verified per step")
+    p.add_argument("--shape", default="qwen2.5-7b",
+                   help="gpu: a real model shape with random weights (bench/real_shapes.py)")
+    p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
+    p.add_argument("--parts", default="generate,decode,cycle,memory,rows",
+                   help="gpu: which measurements to run")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`fastdraft bench WHICH`: checks the arguments before any work, then runs one bench."""
+    from fastdraft.bench.common import parse_dtype
+    from fastdraft.demo import heldout_prompts, resolve_model
+    dtype = parse_dtype(args.dtype)
+    if args.which == "gpu":
+        return _bench_gpu(args, dtype)
+    if args.which in ("recipe", "drafter", "rollout"):
+        return _bench_from_recipe(args)
+    sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
+    batch_sizes = _positive_ints(sizes, "--batch-sizes")
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--repeats, --num-prompts and --max-new-tokens must be >= 1")
+    if args.which == "spec":  # checked before a drafter warm-up (minutes) can start
+        from fastdraft.bench.spec_bench import METHODS
+        unknown = set(args.methods.split(",")) - set(METHODS)
+        if unknown:
+            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+        for t in args.temperatures.split(","):
+            if float(t) < 0:
+                raise ValueError(f"--temperatures: {t} < 0")
+    model_dir = resolve_model(args.model, args.cache_dir)
+    prompts = [ids for ids, _, _ in heldout_prompts(model_dir, args.num_prompts, seed=1)]
+    print(f"{len(prompts)} held-out prompts, answers up to {args.max_new_tokens} tokens; each row "
+          "rolls all of them out, batch_size at a time")
+    if args.which == "spec":
+        return _bench_spec(args, model_dir, prompts, batch_sizes, dtype)
+    from fastdraft.bench.engine_bench import EngineBenchConfig, run_engine_bench
+    run_engine_bench(EngineBenchConfig(model_dir=model_dir, prompts=prompts,
+                                       batch_sizes=batch_sizes,
+                                       max_new_tokens=args.max_new_tokens,
+                                       repeats=args.repeats, compile=not args.no_compile,
+                                       device=args.device, dtype=dtype),
+                     args.json)
+    return 0
+
+
+def _bench_from_recipe(args: argparse.Namespace) -> int:
+    """`bench recipe | drafter | rollout`: a recipe (default: the tiny one) and overrides."""
+    from fastdraft.bench import drafter_bench, recipe_bench, rollout_bench
+    module, run = {"recipe": (recipe_bench, recipe_bench.run_recipe_bench),
+                   "drafter": (drafter_bench, drafter_bench.run_drafter_bench),
+                   "rollout": (rollout_bench, rollout_bench.run_rollout_bench)}[args.which]
+    recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
+    if overrides and "=" not in overrides[0]:
+        recipe, overrides = Path(overrides[0]), overrides[1:]
+    extra = {"rounds": args.repeats} if args.which == "rollout" else {}
+    out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
+              args.json, args.cache_dir, **extra)
+    print("\n".join(module.summary_lines(out)))
+    return 0
+
+
+def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must all be >= 1, got {text!r}")
+    return values
+
+
+def _bench_gpu(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
+    import torch
+
+    from fastdraft.bench.gpu_bench import GpuBenchConfig, run_gpu_bench
+    device = args.device if args.device != "cpu" else "cuda"
+    cfg = GpuBenchConfig(shape=args.shape,
+                         batch_sizes=_positive_ints(args.batch_sizes or "1,8,64",
+                                                    "--batch-sizes"),
+                         contexts=_positive_ints(args.contexts, "--contexts"),
+                         repeats=args.repeats, compile=not args.no_compile, device=device,
+                         dtype=dtype or torch.bfloat16)
+    if not torch.cuda.is_available():
+        raise ValueError("bench gpu needs a CUDA GPU (none is visible to torch here)")
+    run_gpu_bench(cfg, args.json, parts=tuple(args.parts.split(",")))
+    return 0
+
+
+def _bench_spec(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]],
+                batch_sizes: tuple[int, ...], dtype: torch.dtype | None) -> int:
+    from fastdraft.bench.spec_bench import SpecBenchConfig, run_spec_bench
+    from fastdraft.demo import ensure_drafter
+    drafter = ensure_drafter(model_dir, args.drafter)
+    cfg = SpecBenchConfig(model_dir=model_dir, drafter_dir=drafter, prompts=prompts,
+                          batch_sizes=batch_sizes,
+                          temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                          methods=tuple(args.methods.split(",")), depth=args.depth,
+                          topk=args.topk, tokens_to_verify=args.tokens_to_verify,
+                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                          compile=args.compile, device=args.device,
+                          dtype=dtype)
+    run_spec_bench(cfg, args.json)
+    return 0
