@@ -190,12 +190,14 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
                  on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,
-                 use_tqdm: bool | None = None) -> list[Completion]:
+                 use_tqdm: bool | None = None, stream_ids: list[int] | None = None
+                 ) -> list[Completion]:
         """Generates one completion per prompt; returns them in prompt order. Aggregated spec
         statistics of the call are in `engine.last_stats`. on_hidden receives the policy's
-        hidden states of every committed token (engine/capture.py), step by step."""
+        hidden states of every committed token (engine/capture.py), step by step. stream_ids:
+        each prompt's random stream (default: its index; engine/request.make_requests)."""
         requests = make_requests(prompt_token_ids, params, self.config.vocab_size,
-                                 self.max_seq_len, self.eos_token_ids)
+                                 self.max_seq_len, self.eos_token_ids, stream_ids)
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens)
         for request in requests:
             scheduler.add(request)

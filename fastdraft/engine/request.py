@@ -84,12 +84,19 @@ class Request:
 
 
 def make_requests(prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None,
-                  vocab: int, max_seq_len: int, eos_token_ids: frozenset[int]) -> list[Request]:
-    """Checks every prompt before any work starts, so bad input loses nothing."""
+                  vocab: int, max_seq_len: int, eos_token_ids: frozenset[int],
+                  stream_ids: list[int] | None = None) -> list[Request]:
+    """Checks every prompt before any work starts, so bad input loses nothing. Request i draws
+    from the random stream of (seed, stream_ids[i]) (default i): a caller that splits one
+    rollout over several engines passes each prompt's index in the whole rollout, so where a
+    request runs never changes what it samples."""
     params = params or SamplingParams()
     per_request = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_request) != len(prompts):
         raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
+    streams = list(range(len(prompts))) if stream_ids is None else list(stream_ids)
+    if len(streams) != len(prompts):
+        raise ValueError(f"got {len(streams)} stream ids for {len(prompts)} prompts")
     requests = []
     for i, (prompt, p) in enumerate(zip(prompts, per_request)):
         prompt = list(prompt)
@@ -104,7 +111,7 @@ def make_requests(prompts: list[list[int]], params: SamplingParams | list[Sampli
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
         stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
                                               else eos_token_ids)
-        seed = 0 if p.is_greedy else seed_of(p.seed, i)
+        seed = 0 if p.is_greedy else seed_of(p.seed, streams[i])
         requests.append(Request(i, prompt, p, stop, max_seq_len, seed))
     return requests
 

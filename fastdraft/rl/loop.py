@@ -74,7 +74,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     timer.lap("push")
     metrics = {**rollout_metrics, **drafter_metrics, **gate, **update.metrics,
                "actor/trained_samples": float(len(keep)),
-               **timer.metrics(), "timing/last_checkpoint_s": run.last_checkpoint_s,
+               **timer.metrics(), **run.cluster_metrics(step, timer.laps),
+               "timing/last_checkpoint_s": run.last_checkpoint_s,
                "policy/version": float(run.engine.policy_version),
                **({"process/rss_mb": rss} if (rss := rss_mb()) is not None else {})}
     # Logged before the checkpoint: a checkpointed step always has its metrics line.

@@ -3,7 +3,8 @@ changes what the policy learns (its data, algorithm, optimiser, sampling, precis
 the resumed run another experiment under the same name, so it is refused unless
 `--resume-force`. Settings that only decide how fast, where or how long it runs, or what it
 records, may change freely: speculation is lossless, micro-batching and the number of actor
-ranks never change the gradient, and the drafter never changes what the policy learns."""
+ranks never change the gradient, rollout placement (cluster.*) never changes a completion, and
+the drafter never changes what the policy learns."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ FREE_ON_RESUME = (
     "name", "algorithm.num_steps", "algorithm.gate.", "logging.", "checkpoint.", "model.device",
     "rollout.max_batch_size", "rollout.spec.", "rollout.tuner.", "rollout.budget.",
     "rollout.graphs", "rollout.compile", "actor.micro_batch_tokens", "actor.num_ranks",
-    "drafter.",
+    "drafter.", "cluster.",
 )
 
 

@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
+from fastdraft.cluster.timeline import Span, TimelineLog, spans_metrics
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
@@ -64,7 +66,7 @@ class Run:
         self.policy_dir = resolve_policy(cfg, cache_dir)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-        dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
+        device = cfg.model.device
         max_seq_len = rollout_seq_len(cfg)
         self.prompts = PromptSource(cfg.data, self.tokenizer,
                                     max_seq_len - cfg.rollout.max_new_tokens)
@@ -78,16 +80,12 @@ class Run:
                          "weights and AdamW moments)")
         atomic_write_text(run_dir / "memory_plan.json",
                           json.dumps(self.memory_plan.as_dict(), indent=1))
-        self.engine = RolloutEngine(
-            self.policy_dir, device=device, dtype=dtype, max_batch_size=cfg.rollout.max_batch_size,
-            max_seq_len=max_seq_len, drafter=drafter_dir,
-            memory_reserve=self.memory_plan.engine_reserve,
-            # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
-            capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
-            spec=cfg.rollout.spec, compile=cfg.rollout.compile, graphs=cfg.rollout.graphs,
-            tuner=cfg.rollout.tuner.build(cfg.rollout.spec, cfg.seed, cfg.rollout.max_batch_size)
-            if cfg.rollout.tuner.enabled else None,
-            budget=cfg.rollout.budget.build() if cfg.rollout.budget.enabled else None)
+        make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
+                              self.memory_plan.engine_reserve)
+        # local: the engine in this process; ray: replicas on Ray actors behind a RolloutPool
+        # with the engine's interface (fastdraft/cluster/pool.py).
+        self.engine = make_engine(device) if cfg.cluster.backend == "local" else _pool(
+            cfg, make_engine)
         # A resumed actor starts from the checkpoint's fp32 masters; the RNGs come back here.
         loaded = self.checkpoints.load(latest) if latest is not None else None
         # The actor scores every position the engine can sample at (its rotary table too).
@@ -118,6 +116,9 @@ class Run:
             print(f"resumed from {latest} (step {loaded.step})")
         self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
                                     cfg.algorithm.num_steps, self.start_step)
+        # Each rollout worker's states per step (cluster_timeline.jsonl: the dashboard's Gantt).
+        self.timeline = None if cfg.cluster.backend == "local" else TimelineLog(
+            run_dir, self.start_step)
         # Callbacks on every finished rollout (the online drafter trainer listens here).
         self.drafter: OnlineDrafter | FixedDrafter = (
             OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume)
@@ -151,6 +152,23 @@ class Run:
             out["rollout/sd_fraction"] = trace.sd_fraction
             out["drafter/version"] = float(self.engine.drafter_version or 0)
         return out
+
+    def cluster_metrics(self, step: int, laps: dict[str, float]) -> dict[str, float]:
+        """A Ray run's per-worker seconds generating / idle this step (and the weight push),
+        its timeline line written; {} for a local run. laps: the step's phase seconds."""
+        if self.timeline is None:
+            return {}
+        update_start = laps["rollout"] + laps["reward"]
+        push_start = update_start + laps["update"]
+        spans = [*self.engine.last_spans,
+                 Span("actor", "update", update_start, push_start),
+                 *(Span(w, "push", push_start, push_start + laps["push"])
+                   for w in self.engine.worker_names)]
+        self.timeline.log(step, spans)
+        return {**spans_metrics(spans, self.engine.worker_names),
+                "cluster/push_s": self.engine.last_push_s,
+                "cluster/worker_restarts": float(self.engine.restarts),
+                "cluster/rerun_requests": float(self.engine.reruns)}
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
@@ -195,6 +213,8 @@ class Run:
         last checkpoint on disk."""
         self.drafter.close(timeout_s)
         self.actor.close(timeout_s)
+        if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers
+            self.engine.close()
         self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
@@ -216,6 +236,30 @@ class Run:
         self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")
+
+
+def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
+                 reserve: int, device: str, host: bool = False) -> RolloutEngine:
+    """The run's rollout engine on `device`. host: the driver's replica of a Ray run (weights
+    only: one KV slot, eager, no tuner or budgets; it never generates)."""
+    rollout = cfg.rollout
+    return RolloutEngine(
+        policy_dir, device=device, dtype=DTYPES[cfg.model.dtype],
+        max_batch_size=1 if host else rollout.max_batch_size, max_seq_len=max_seq_len,
+        drafter=drafter_dir, memory_reserve=0 if host else reserve,
+        # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
+        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
+        spec=rollout.spec, compile=rollout.compile and not host,
+        graphs=rollout.graphs and not host,
+        tuner=rollout.tuner.build(rollout.spec, cfg.seed, rollout.max_batch_size)
+        if rollout.tuner.enabled and not host else None,
+        budget=rollout.budget.build() if rollout.budget.enabled and not host else None)
+
+
+def _pool(cfg: RunConfig, make_engine: Callable[..., RolloutEngine]) -> Any:
+    from fastdraft.cluster.pool import RolloutPool
+    return RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True),
+                       cfg.model.device, cfg.rollout.group_size)
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -103,3 +103,65 @@ def test_draw_dashboard_writes_run_dir_png_and_refuses_a_speculating_reference(t
     assert draw_dashboard(run) == run / "dashboard.png" and (run / "dashboard.png").is_file()
     with pytest.raises(ValueError, match="speculates"):
         draw_dashboard(run, reference=_write_run(tmp_path / "other", _rows(2, True)))
+
+
+def _timeline(steps: int) -> dict:
+    from fastdraft.cluster.timeline import Span
+    return {step: [Span("rollout2", "generate", 0.0, 2.0), Span("rollout2", "idle", 2.0, 3.0),
+                   Span("actor", "update", 3.0, 4.0), Span("rollout0", "generate", 0.0, 3.0),
+                   Span("rollout0", "train", 3.0, 4.0), Span("rollout10", "push", 4.0, 4.5)]
+            for step in range(steps)}
+
+
+def _gantt(fig):
+    return [ax for ax in fig.axes if ax.get_title().startswith("worker states")]
+
+
+def test_a_cluster_timeline_adds_a_gantt_of_the_last_4_steps_below_the_grid(tmp_path,
+                                                                             monkeypatch):
+    from fastdraft.cluster.timeline import TimelineLog
+    figures = []
+    monkeypatch.setattr(dashboard, "dashboard_figure",
+                        lambda *a, **k: figures.append(dashboard_figure(*a, **k)) or figures[-1])
+    run = _write_run(tmp_path / "run", _rows(6, True))
+    draw_dashboard(run)
+    log = TimelineLog(run)
+    for step, spans in _timeline(6).items():
+        log.log(step, spans)
+    log.close()
+    draw_dashboard(run)
+    plain, with_gantt = figures
+    assert len(with_gantt.axes) == len(plain.axes) + 1 and _gantt(plain) == []
+    (gantt,) = _gantt(with_gantt)
+    assert gantt.get_title() == "worker states (last 4 steps)"
+    assert [t.get_text() for t in gantt.get_yticklabels()] == [
+        "rollout0", "rollout2", "rollout10", "actor"]
+    assert plain.get_size_inches()[1] == 7.5 < with_gantt.get_size_inches()[1]
+    # Every other panel keeps its height: the figure grew by the Gantt's.
+    grid_h = [ax.get_position().height * with_gantt.get_size_inches()[1]
+              for ax in with_gantt.axes if ax is not gantt]
+    plain_h = [ax.get_position().height * 7.5 for ax in plain.axes]
+    assert grid_h == pytest.approx(plain_h, rel=0.15)
+    # Steps 2..5 side by side, 4.5 s each, a "step N" label at each start; rollout0 on top.
+    assert gantt.get_xlim() == pytest.approx((0, 18.0))
+    assert [t.get_text().strip() for t in gantt.texts] == ["step 2", "step 3", "step 4", "step 5"]
+    assert [line.get_xdata()[0] for line in gantt.lines] == pytest.approx([0, 4.5, 9, 13.5])
+    generate = next(c for c in gantt.containers if c.get_label() == "generate")
+    assert [p.get_x() for p in generate.patches] == pytest.approx([0, 0, 4.5, 4.5, 9, 9,
+                                                                   13.5, 13.5])
+    assert [p.get_y() + p.get_height() / 2 for p in generate.patches] == [1, 0] * 4
+    assert gantt.get_ylim()[0] > gantt.get_ylim()[1]   # row 0 (rollout0) at the top
+    assert [t.get_text() for t in gantt.get_legend().get_texts()] == [
+        "generate", "idle", "train", "update", "push"]
+    assert re.search(r"\(.+\)", gantt.get_xlabel()) and re.search(r"\(.+\)", gantt.get_ylabel())
+
+
+def test_an_empty_or_missing_timeline_leaves_the_dashboard_as_it_was(tmp_path):
+    rows = _rows(3, False)
+    plain = dashboard_figure(rows)
+    assert len(dashboard_figure(rows, timeline={}).axes) == len(plain.axes)
+    one = dashboard_figure(rows, timeline=_timeline(1))
+    assert _gantt(one)[0].get_title() == "worker states (last 1 step)"
+    run = _write_run(tmp_path / "run", rows)
+    (run / "cluster_timeline.jsonl").write_text('{"step": 0, "spa')   # only a cut line
+    draw_dashboard(run)   # no steps: drawn as without the file

@@ -4,6 +4,7 @@ per section; this package exports them all."""
 
 from fastdraft.config.sections.actor import ActorConfig
 from fastdraft.config.sections.algorithm import AlgorithmConfig, GateSection
+from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.config.sections.common import DTYPES
 from fastdraft.config.sections.drafter import DrafterConfig, OnlineDrafterConfig
 from fastdraft.config.sections.policy import DataConfig, PolicyConfig
@@ -11,5 +12,6 @@ from fastdraft.config.sections.rollout import BudgetSection, RolloutConfig, Tune
 from fastdraft.config.sections.run import CheckpointConfig, LoggingConfig, RunConfig, WandbConfig
 
 __all__ = ["DTYPES", "ActorConfig", "AlgorithmConfig", "BudgetSection", "CheckpointConfig",
+           "ClusterConfig",
            "DataConfig", "DrafterConfig", "GateSection", "LoggingConfig", "OnlineDrafterConfig",
            "PolicyConfig", "RolloutConfig", "RunConfig", "TunerSection", "WandbConfig"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fastdraft.config.sections.actor import ActorConfig
 from fastdraft.config.sections.algorithm import AlgorithmConfig
+from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.config.sections.common import require as _require
 from fastdraft.config.sections.drafter import DrafterConfig
 from fastdraft.config.sections.policy import DataConfig, PolicyConfig
@@ -58,3 +59,4 @@ class RunConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -1,0 +1,1 @@
+"""Scale-out: rollout workers on Ray, their coordinator, the cluster simulator."""

@@ -1,0 +1,284 @@
+"""RolloutPool: the rollout engine of a Ray run, as the RL loop sees it. It has the engine's
+interface (generate, weights and drafter between steps, fallback, state) and serves it with
+`cluster.rollout_workers` RolloutWorker replicas in a Ray placement group:
+
+- generate: whole GRPO groups dispatched (cluster/dispatch.py) by their predicted cost (the
+  answer lengths their prompt had last time); every request keeps its random stream (its index
+  in the whole rollout), so placement never changes a completion. A worker's completions and
+  hidden states reach the callbacks when its share is done, while the others still decode.
+- weights: the actor's tensors go once into the object store; every worker loads them from
+  there (`timing/push_s`). The drafter goes the same way, checksummed and versioned.
+- faults: a worker that dies mid-rollout has its unfinished share re-run on the live workers
+  (the same streams: the same completions) and is replaced with the current weights.
+
+The driver keeps a host replica (`host`: the policy and drafter on the CPU, a one-slot KV): the
+weights a replacement worker starts from, and what the online drafter reads (policy head,
+drafter shape). Ray is imported here only: the local backend never loads it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from fastdraft.cluster.dispatch import assign_groups
+from fastdraft.cluster.rollout_worker import EngineFactory, RolloutWorker, WorkerRollout
+from fastdraft.cluster.timeline import Span
+from fastdraft.config.sections.cluster import ClusterConfig
+from fastdraft.engine import Completion, RolloutEngine, SamplingParams
+from fastdraft.engine.capture import HiddenSink
+from fastdraft.engine.request import prompt_key
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.engine.trace import RolloutTrace
+
+OnFinish = Callable[[Completion], None]
+
+
+class RolloutPool:
+    def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
+                 device: str, group_size: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        self.cfg, self.make_engine, self.host = cfg, make_engine, host
+        self.group_size = group_size
+        self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
+        if not ray.is_initialized():
+            threads = max(cfg.worker_threads, 1)
+            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True,
+                     **({} if cfg.address else {
+                         "num_cpus": max(os.cpu_count() or 1, cfg.rollout_workers * threads)}))
+        gpus = 1 if self.device.startswith("cuda") else 0
+        self.bundle = {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
+        self.group = placement_group([self.bundle] * cfg.rollout_workers, strategy="PACK")
+        ray.get(self.group.ready())
+        self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
+        self.restarts = 0
+        self._weights: Any = None     # object ref of the newest policy weights pushed
+        self._drafter: tuple[Any, int, str | None] | None = None   # (ref, version, checksum)
+        self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
+        self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
+        self.last_spans: list[Span] = []
+        self.last_push_s = 0.0
+        self.reruns = 0   # requests re-run after their worker died (this run)
+
+    def _start(self, index: int) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        cls = ray.remote(RolloutWorker).options(
+            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index),
+            name=None, max_restarts=0)
+        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
+
+    # --------------------------------------------------------------------- the engine's face
+    def __getattr__(self, name: str) -> Any:
+        """What the loop reads of an engine (model, model_drafter, config, spec, versions,
+        fallback_reason) is the host replica's: it takes every update the workers take."""
+        if name == "host":
+            raise AttributeError(name)
+        return getattr(self.host, name)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"rollout{i}" for i in range(len(self.workers))]
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *,
+                 on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,
+                 use_tqdm: bool | None = None) -> list[Completion]:
+        """One completion per prompt, in prompt order; groups of `group_size` consecutive
+        prompts stay together."""
+        import ray
+        n, size = len(prompt_token_ids), self.group_size
+        if n % size:
+            raise ValueError(f"{n} prompts are not whole groups of {size}")
+        groups = [list(range(g, g + size)) for g in range(0, n, size)]
+        costs = [self._lengths.get(prompt_key(prompt_token_ids[g[0]]), self._mean_length())
+                 for g in groups]
+        owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
+        shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
+                  for k in range(len(self.workers))]
+        start = time.time()
+        results: list[Completion | None] = [None] * n
+        done: dict[int, WorkerRollout] = {}
+        pending = {self._call(k, share, prompt_token_ids, params, on_hidden): (k, share)
+                   for k, share in enumerate(shares) if share}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            k, share = pending.pop(ready[0])
+            try:
+                part: WorkerRollout = ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                pending.update(self._rerun(k, share, prompt_token_ids, params, on_hidden, err))
+                continue
+            done[k] = part
+            self._deliver(part, share, results, on_finish, on_hidden)
+        self._account(done, start, time.time(), n)
+        out = [c for c in results if c is not None]
+        for g in groups:
+            self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
+                len(out[i].token_ids) for i in g) / len(g)
+        return out
+
+    def _call(self, k: int, share: list[int], prompts: list[list[int]],
+              params: SamplingParams, on_hidden: HiddenSink | None) -> Any:
+        return self.workers[k].generate.remote([prompts[i] for i in share], params, share,
+                                               on_hidden is not None)
+
+    def _rerun(self, k: int, share: list[int], prompts: list[list[int]],
+               params: SamplingParams, on_hidden: HiddenSink | None, err: Exception
+               ) -> dict[Any, tuple[int, list[int]]]:
+        """Worker k died with `share` unfinished: a replacement takes its place (with the
+        current weights) and the share is split over every worker, the new one too."""
+        print(f"cluster: rollout worker {k} died ({type(err).__name__}); re-running its "
+              f"{len(share)} requests on the others")
+        self.reruns += len(share)
+        self._replace(k)
+        live = len(self.workers)
+        parts = [share[i::live] for i in range(live)]
+        return {self._call(w, part, prompts, params, on_hidden): (w, part)
+                for w, part in enumerate(parts) if part}
+
+    def _deliver(self, part: WorkerRollout, share: list[int],
+                 results: list[Completion | None], on_finish: OnFinish | None,
+                 on_hidden: HiddenSink | None) -> None:
+        """A finished share's records and completions to the callbacks, under the indices of
+        the whole rollout (the worker numbered its share from 0)."""
+        import dataclasses
+        if on_hidden is not None:
+            for record in part.records:
+                on_hidden(dataclasses.replace(record, request_index=share[record.request_index]))
+        for local in part.completions:
+            completion = dataclasses.replace(local, index=share[local.index])
+            results[completion.index] = completion
+            if on_finish is not None:
+                on_finish(completion)
+
+    def _account(self, done: dict[int, WorkerRollout], start: float, end: float,
+                 n: int) -> None:
+        """The rollout's trace (every worker's steps on one clock), spec statistics and each
+        worker's generate / idle spans."""
+        trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
+        events = []
+        for k, part in sorted(done.items()):
+            stats.merge(part.stats)
+            base = part.start - part.trace.times[0] if part.trace.times else part.start
+            events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
+                part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
+                part.trace.drafting)]
+            spans.append(Span(f"rollout{k}", "generate", part.start - start, part.end - start))
+            if end - part.end > 1e-3:
+                spans.append(Span(f"rollout{k}", "idle", part.end - start, end - start))
+        active = {k: 0 for k in done}
+        for t, k, a, arm, tok, dr in sorted(events):
+            active[k] = a
+            trace.times.append(t - start)
+            trace.active.append(sum(active.values()))
+            trace.end_step(arm, tok, dr)
+        trace.end = end - start
+        if trace.times:
+            trace.times[0] = 0.0
+        self.last_trace, self.last_stats, self.last_spans = trace, stats, spans
+
+    def _mean_length(self) -> float:
+        return sum(self._lengths.values()) / len(self._lengths) if self._lengths else 1.0
+
+    # -------------------------------------------------------------------- between steps
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int | None = None) -> int:
+        """The policy's new weights into every worker, through the object store once."""
+        import ray
+        start = time.perf_counter()
+        named = [(name, t.detach().cpu()) for name, t in named_tensors]
+        version = self.host.load_weights(named, version)
+        self._weights = ray.put(named)
+        self._on_all(lambda w: w.load_weights.remote(self._weights, version))
+        self.last_push_s = time.perf_counter() - start
+        return version
+
+    def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int | None = None, checksum: str | None = None) -> int:
+        import ray
+        named = [(name, t.detach().cpu()) for name, t in named_tensors]
+        version = self.host.load_drafter_weights(named, version, checksum)   # checked here
+        self._drafter = (ray.put(named), version, checksum)
+        self._on_all(lambda w: w.load_drafter_weights.remote(*self._drafter))
+        return version
+
+    def fall_back_to_plain(self, reason: str) -> None:
+        self.host.fall_back_to_plain(reason)
+        self._sync_spec()
+
+    def resume_speculation(self, spec: SpecConfig) -> None:
+        self.host.resume_speculation(spec)
+        self._sync_spec()
+
+    def _sync_spec(self) -> None:
+        spec, reason = self.host.spec, self.host.fallback_reason
+        self._on_all(lambda w: w.set_spec.remote(spec, reason))
+
+    def advance_step(self) -> None:
+        self.host.advance_step()
+        self._on_all(lambda w: w.advance_step.remote())
+
+    def state_dict(self) -> dict:
+        """Worker 0's engine state (what a local run resumes from), every worker's beside it."""
+        import ray
+        states = ray.get([w.state_dict.remote() for w in self.workers])
+        return {**states[0], "replicas": states}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A local run's state goes to every worker; a pool's, replica by replica (cycled
+        when the worker count changed)."""
+        import ray
+        replicas = state.get("replicas") or [state]
+        self.host.load_state_dict(replicas[0])
+        ray.get([w.load_state_dict.remote(replicas[i % len(replicas)])
+                 for i, w in enumerate(self.workers)])
+
+    def _on_all(self, call: Callable[[Any], Any]) -> None:
+        """call(worker) on every worker and wait; a worker found dead is replaced (and starts
+        from the current state), so a broadcast never leaves a worker behind."""
+        import ray
+        futures = [call(w) for w in self.workers]
+        for k, future in enumerate(futures):
+            try:
+                ray.get(future)
+            except ray.exceptions.RayActorError as err:
+                print(f"cluster: rollout worker {k} died ({type(err).__name__}); replacing it")
+                self._replace(k)
+
+    def _replace(self, k: int) -> None:
+        import ray
+        if self.restarts >= self.cfg.max_worker_restarts:
+            raise RuntimeError(f"rollout worker {k} died and cluster.max_worker_restarts="
+                               f"{self.cfg.max_worker_restarts} replacements are used up")
+        self.restarts += 1
+        ray.kill(self.workers[k], no_restart=True)
+        worker = self._start(k)
+        calls = [worker.pid.remote()]
+        if self._weights is not None:
+            calls.append(worker.load_weights.remote(self._weights, self.host.policy_version))
+        if self._drafter is not None:
+            calls.append(worker.load_drafter_weights.remote(*self._drafter))
+        calls.append(worker.set_spec.remote(self.host.spec, self.host.fallback_reason))
+        calls.append(worker.load_state_dict.remote(self.host.state_dict()))
+        ray.get(calls)
+        self.workers[k] = worker
+
+    def worker_pids(self) -> list[int]:
+        import ray
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        remove_placement_group(self.group)
+        if not self.cfg.address:
+            ray.shutdown()

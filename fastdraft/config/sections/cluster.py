@@ -1,0 +1,45 @@
+"""Where the run's roles live: `local` (one process and its helpers, the default) or `ray`
+(rollout engine replicas as Ray actors, fastdraft/cluster/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastdraft.config.sections.common import require as _require
+
+BACKENDS = ("local", "ray")
+DISPATCH = ("balance", "concentrate", "round_robin")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterConfig:
+    """backend: local | ray. rollout_workers: engine replicas (ray; one per device on a GPU node).
+    address: an existing Ray cluster to join (`ray start --head` prints it); None starts a local
+    one. worker_threads: torch threads of each rollout worker (CPU; 0 leaves torch's default).
+    worker_device: the rollout workers' device (None: model.device; on a GPU node each worker
+    gets one GPU from Ray and sees it as cuda:0). dispatch: how whole GRPO groups go to workers:
+    balance (the predicted cost, longest first, onto the least loaded), concentrate (the longest
+    groups packed together so other workers free up early) or round_robin.
+    max_worker_restarts: a rollout worker that dies is replaced this many times in a run; its
+    requests re-run on the others either way."""
+
+    backend: str = "local"
+    rollout_workers: int = 1
+    address: str | None = None
+    worker_threads: int = 1
+    worker_device: str | None = None
+    dispatch: str = "balance"
+    max_worker_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
+                 f"{self.backend!r}")
+        _require(self.rollout_workers >= 1, "cluster.rollout_workers must be >= 1")
+        _require(self.backend == "ray" or self.rollout_workers == 1,
+                 f"cluster.rollout_workers={self.rollout_workers} needs cluster.backend=ray "
+                 "(the local backend runs one engine)")
+        _require(self.worker_threads >= 0, "cluster.worker_threads must be >= 0 (0: torch's "
+                 "default)")
+        _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
+                 f"{self.dispatch!r}")
+        _require(self.max_worker_restarts >= 0, "cluster.max_worker_restarts must be >= 0")
