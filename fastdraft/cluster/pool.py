@@ -46,7 +46,8 @@ class RolloutPool:
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()   # a test's or the user's cluster stays up
+        if self._owns_ray:
             threads = max(cfg.worker_threads, 1)
             ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True,
                      **({} if cfg.address else {
@@ -170,9 +171,10 @@ class RolloutPool:
             events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
                 part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
                 part.trace.drafting)]
-            spans.append(Span(f"rollout{k}", "generate", part.start - start, part.end - start))
+            spans.append(Span(f"rollout{k}", "generate", max(part.start - start, 0.0),
+                              max(part.end - start, 0.0)))
             if end - part.end > 1e-3:
-                spans.append(Span(f"rollout{k}", "idle", part.end - start, end - start))
+                spans.append(Span(f"rollout{k}", "idle", max(part.end - start, 0.0), end - start))
         active = {k: 0 for k in done}
         for t, k, a, arm, tok, dr in sorted(events):
             active[k] = a
@@ -280,5 +282,5 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
-        if not self.cfg.address:
+        if self._owns_ray:
             ray.shutdown()
