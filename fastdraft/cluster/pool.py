@@ -63,8 +63,12 @@ class RolloutPool:
         self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
         self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
         self.last_spans: list[Span] = []
+        self.last_parts: dict[int, WorkerRollout] = {}   # each worker's share of the last rollout
         self.last_push_s = 0.0
         self.reruns = 0   # requests re-run after their worker died (this run)
+        # Called when a worker's share is done while others still generate; True when that
+        # promoted the worker to drafter training (the online drafter's on_worker_idle).
+        self.idle_hook: Callable[[], bool] | None = None
 
     def _start(self, index: int) -> Any:
         import ray
@@ -106,6 +110,7 @@ class RolloutPool:
         start = time.time()
         results: list[Completion | None] = [None] * n
         done: dict[int, WorkerRollout] = {}
+        training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
         pending = {self._call(k, share, prompt_token_ids, params, on_hidden): (k, share)
                    for k, share in enumerate(shares) if share}
         while pending:
@@ -118,7 +123,9 @@ class RolloutPool:
                 continue
             done[k] = part
             self._deliver(part, share, results, on_finish, on_hidden)
-        self._account(done, start, time.time(), n)
+            if pending and self.idle_hook is not None and self.idle_hook():
+                training[k] = time.time()
+        self._account(done, training, start, time.time(), n)
         out = [c for c in results if c is not None]
         for g in groups:
             self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
@@ -159,10 +166,10 @@ class RolloutPool:
             if on_finish is not None:
                 on_finish(completion)
 
-    def _account(self, done: dict[int, WorkerRollout], start: float, end: float,
-                 n: int) -> None:
+    def _account(self, done: dict[int, WorkerRollout], training: dict[int, float],
+                 start: float, end: float, n: int) -> None:
         """The rollout's trace (every worker's steps on one clock), spec statistics and each
-        worker's generate / idle spans."""
+        worker's generate / idle / train spans."""
         trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
         events = []
         for k, part in sorted(done.items()):
@@ -173,8 +180,13 @@ class RolloutPool:
                 part.trace.drafting)]
             spans.append(Span(f"rollout{k}", "generate", max(part.start - start, 0.0),
                               max(part.end - start, 0.0)))
-            if end - part.end > 1e-3:
-                spans.append(Span(f"rollout{k}", "idle", max(part.end - start, 0.0), end - start))
+            idle_from = max(part.end - start, 0.0)
+            if k in training:   # idle until its share was delivered, then the drafter's
+                promoted = max(training[k] - start, idle_from)
+                spans += [Span(f"rollout{k}", "idle", idle_from, promoted),
+                          Span(f"rollout{k}", "train", promoted, end - start)]
+            elif end - part.end > 1e-3:
+                spans.append(Span(f"rollout{k}", "idle", idle_from, end - start))
         active = {k: 0 for k in done}
         for t, k, a, arm, tok, dr in sorted(events):
             active[k] = a
@@ -185,6 +197,7 @@ class RolloutPool:
         if trace.times:
             trace.times[0] = 0.0
         self.last_trace, self.last_stats, self.last_spans = trace, stats, spans
+        self.last_parts = done
 
     def _mean_length(self) -> float:
         return sum(self._lengths.values()) / len(self._lengths) if self._lengths else 1.0

@@ -60,6 +60,8 @@ class OnlineDrafter:
         self._dropped_at_start = self._inbox_dropped = self._inbox_at_start = 0
         self.accept_at_publish: float | None = None
         self.pause_s = 0.0
+        self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
+        self.train_tokens_on_idle = 0
 
     def _start_worker(self, state: dict | None) -> SpotWorker:
         engine, cfg = self.engine, self.cfg
@@ -119,8 +121,23 @@ class OnlineDrafter:
         if self._remaining < self._threshold:
             self.worker.go()   # the long tail: the engine runs few rows
 
+    def on_worker_idle(self) -> bool:
+        """A rollout worker finished its share while others still generate (Ray backend): its
+        device is free for the rest of the rollout, so the trainer starts now, whatever the
+        tail threshold says (the coordinator's promotion of an idle worker). True when this
+        call promoted it (the first idle worker: one trainer, fed by every worker's samples)."""
+        if not self.consuming or self._tokens_at_idle is not None:
+            return False
+        self._tokens_at_idle = self._stats().tokens
+        self.worker.go()
+        return True
+
     def end_rollout(self, rewards: list[float]) -> None:
         self._pause()
+        self.train_tokens_on_idle = 0
+        if self._tokens_at_idle is not None:
+            self.train_tokens_on_idle = self._stats().tokens - self._tokens_at_idle
+            self._tokens_at_idle = None
         if self.consuming:
             self.collector.set_rewards(rewards)
 
@@ -265,6 +282,7 @@ class OnlineDrafter:
                "drafter/buffer_bytes": float(self.worker.buffer_bytes if self.worker else 0),
                "drafter/cut_samples": float(self.worker.cut_samples if self.worker else 0),
                "drafter/pause_wait_s": self.pause_s,
+               "drafter/train_tokens_on_idle": float(self.train_tokens_on_idle),
                "drafter/dropped_tokens": float(collector.dropped_tokens
                                                - self._dropped_at_start),
                "drafter/inbox_dropped": float(self._inbox_dropped_total()

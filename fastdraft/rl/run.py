@@ -124,6 +124,8 @@ class Run:
             OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume)
             if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
+        if self.timeline is not None and isinstance(self.drafter, OnlineDrafter):
+            self.engine.idle_hook = self.drafter.on_worker_idle   # idle workers' time trains it
         self.last_checkpoint_s = 0.0
         self.saved_step = self.start_step   # the step of the newest checkpoint of this run
         # Written once the run is built: a refused or failed start leaves the last one as it was.
