@@ -25,15 +25,15 @@ from typing import Any
 import torch
 
 from fastdraft.cluster.dispatch import assign_groups
-from fastdraft.cluster.rollout_worker import EngineFactory, RolloutWorker, WorkerRollout
+from fastdraft.cluster.rollout_worker import Capture, EngineFactory, RolloutWorker, WorkerRollout
 from fastdraft.cluster.timeline import Span
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
-from fastdraft.engine.capture import HiddenSink
 from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
+from fastdraft.trainer.collector import SampleCollector
 
 OnFinish = Callable[[Completion], None]
 
@@ -93,10 +93,12 @@ class RolloutPool:
         return [f"rollout{i}" for i in range(len(self.workers))]
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *,
-                 on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,
+                 on_finish: OnFinish | None = None, on_hidden: SampleCollector | None = None,
                  use_tqdm: bool | None = None) -> list[Completion]:
         """One completion per prompt, in prompt order; groups of `group_size` consecutive
-        prompts stay together."""
+        prompts stay together. on_hidden: the online drafter's collector; each worker turns its
+        requests' hidden states into samples as they finish (its budget) and they join the
+        collector's buffer when the worker's share is done."""
         import ray
         n, size = len(prompt_token_ids), self.group_size
         if n % size:
@@ -111,7 +113,9 @@ class RolloutPool:
         results: list[Completion | None] = [None] * n
         done: dict[int, WorkerRollout] = {}
         training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
-        pending = {self._call(k, share, prompt_token_ids, params, on_hidden): (k, share)
+        capture = None if on_hidden is None else Capture(
+            on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
+        pending = {self._call(k, share, prompt_token_ids, params, capture): (k, share)
                    for k, share in enumerate(shares) if share}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -119,10 +123,15 @@ class RolloutPool:
             try:
                 part: WorkerRollout = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
-                pending.update(self._rerun(k, share, prompt_token_ids, params, on_hidden, err))
+                pending.update(self._rerun(k, share, prompt_token_ids, params, capture, err))
                 continue
             done[k] = part
-            self._deliver(part, share, results, on_finish, on_hidden)
+            if on_hidden is not None:
+                on_hidden.add_remote(part.samples, part.dropped_tokens, part.peak_bytes)
+            for completion in part.completions:
+                results[completion.index] = completion
+                if on_finish is not None:
+                    on_finish(completion)
             if pending and self.idle_hook is not None and self.idle_hook():
                 training[k] = time.time()
         self._account(done, training, start, time.time(), n)
@@ -133,12 +142,12 @@ class RolloutPool:
         return out
 
     def _call(self, k: int, share: list[int], prompts: list[list[int]],
-              params: SamplingParams, on_hidden: HiddenSink | None) -> Any:
+              params: SamplingParams, capture: Capture | None) -> Any:
         return self.workers[k].generate.remote([prompts[i] for i in share], params, share,
-                                               on_hidden is not None)
+                                               capture)
 
     def _rerun(self, k: int, share: list[int], prompts: list[list[int]],
-               params: SamplingParams, on_hidden: HiddenSink | None, err: Exception
+               params: SamplingParams, capture: Capture | None, err: Exception
                ) -> dict[Any, tuple[int, list[int]]]:
         """Worker k died with `share` unfinished: a replacement takes its place (with the
         current weights) and the share is split over every worker, the new one too."""
@@ -148,23 +157,8 @@ class RolloutPool:
         self._replace(k)
         live = len(self.workers)
         parts = [share[i::live] for i in range(live)]
-        return {self._call(w, part, prompts, params, on_hidden): (w, part)
+        return {self._call(w, part, prompts, params, capture): (w, part)
                 for w, part in enumerate(parts) if part}
-
-    def _deliver(self, part: WorkerRollout, share: list[int],
-                 results: list[Completion | None], on_finish: OnFinish | None,
-                 on_hidden: HiddenSink | None) -> None:
-        """A finished share's records and completions to the callbacks, under the indices of
-        the whole rollout (the worker numbered its share from 0)."""
-        import dataclasses
-        if on_hidden is not None:
-            for record in part.records:
-                on_hidden(dataclasses.replace(record, request_index=share[record.request_index]))
-        for local in part.completions:
-            completion = dataclasses.replace(local, index=share[local.index])
-            results[completion.index] = completion
-            if on_finish is not None:
-                on_finish(completion)
 
     def _account(self, done: dict[int, WorkerRollout], training: dict[int, float],
                  start: float, end: float, n: int) -> None:

@@ -5,6 +5,7 @@ it returns is a WorkerRollout, the engine's completions and records as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastdraft.databuffer import Sample
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.capture import HiddenRecord
 from fastdraft.engine.spec.config import SpecConfig
@@ -21,13 +23,27 @@ from fastdraft.engine.trace import RolloutTrace
 EngineFactory = Callable[[str], RolloutEngine]   # device -> a new engine (the run's settings)
 
 
+@dataclass(frozen=True)
+class Capture:
+    """What the driver's SampleCollector asks of a worker's hidden states: samples of the RL
+    step `rl_step`, at most `budget_bytes` of running requests' rows held (the worker's host
+    memory), `row_bytes` a captured token."""
+
+    rl_step: int
+    budget_bytes: int | None
+    row_bytes: int
+
+
 @dataclass
 class WorkerRollout:
-    """What one worker's share of a rollout produced, in the order it was handed out.
-    start / end: wall-clock seconds (time.time(), comparable across the node's processes)."""
+    """What one worker's share of a rollout produced: completions and drafter samples under
+    their indices in the whole rollout. start / end: wall-clock seconds (time.time(),
+    comparable across a node's processes)."""
 
     completions: list[Completion]
-    records: list[HiddenRecord] = field(default_factory=list)   # only when capture was asked
+    samples: list[Sample] = field(default_factory=list)   # only when capture was asked
+    dropped_tokens: int = 0        # captured rows refused by the byte budget
+    peak_bytes: int = 0
     trace: RolloutTrace = field(default_factory=RolloutTrace)
     stats: SpecStats = field(default_factory=SpecStats)
     start: float = 0.0
@@ -44,16 +60,28 @@ class RolloutWorker:
         return os.getpid()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 stream_ids: list[int], capture: bool) -> WorkerRollout:
-        """The engine's generate on this share; stream_ids keep every request on the random
-        stream it has in the whole rollout, so the share it lands in changes nothing."""
+                 stream_ids: list[int], capture: Capture | None) -> WorkerRollout:
+        """The engine's generate on this share, request i as request stream_ids[i] of the whole
+        rollout: its random stream (so the share it lands in changes nothing) and its index.
+        With capture, each finished request becomes drafter samples here, while this worker's
+        tail still decodes: what travels to the driver is one sample a request, not a record
+        a step."""
+        from fastdraft.trainer.collector import SampleCollector
         start = time.time()
-        records: list[HiddenRecord] = []
-        completions = self.engine.generate(prompts, params, use_tqdm=False,
-                                           on_hidden=records.append if capture else None,
-                                           stream_ids=stream_ids)
-        return WorkerRollout(completions, records, self.engine.last_trace,
-                             self.engine.last_stats, start, time.time())
+        samples = _SampleList()
+        collector = None if capture is None else SampleCollector(
+            samples, capture.budget_bytes, capture.row_bytes)
+        if collector is not None:
+            collector.start_step(capture.rl_step)
+        completions = self.engine.generate(
+            prompts, params, use_tqdm=False, stream_ids=stream_ids,
+            on_hidden=None if collector is None else _InRollout(collector, stream_ids),
+            on_finish=None if collector is None else (
+                lambda c: collector.on_finish(_global(c, stream_ids))))
+        return WorkerRollout([_global(c, stream_ids) for c in completions], samples,
+                             0 if collector is None else collector.dropped_tokens,
+                             0 if collector is None else collector.peak_bytes,
+                             self.engine.last_trace, self.engine.last_stats, start, time.time())
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
         return self.engine.load_weights(named, version)
@@ -77,3 +105,28 @@ class RolloutWorker:
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
+
+
+class _SampleList(list):
+    """A SampleCollector's buffer that keeps the samples for the driver."""
+
+    def add(self, sample: Sample) -> None:
+        self.append(sample)
+
+
+class _InRollout:
+    """The collector as the engine's sink, seeing each row under its index in the whole
+    rollout (the engine numbers this share from 0)."""
+
+    def __init__(self, collector, index: list[int]) -> None:
+        self.collector, self.index = collector, index
+
+    def wants(self, request_indices: list[int], num_tokens: list[int]) -> list[bool]:
+        return self.collector.wants([self.index[i] for i in request_indices], num_tokens)
+
+    def __call__(self, record: HiddenRecord) -> None:
+        self.collector(dataclasses.replace(record, request_index=self.index[record.request_index]))
+
+
+def _global(completion: Completion, index: list[int]) -> Completion:
+    return dataclasses.replace(completion, index=index[completion.index])

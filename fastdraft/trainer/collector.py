@@ -131,6 +131,16 @@ class SampleCollector:
                 aux_hidden=tuple(a[begin:end] for a in aux)))
         self.num_added += 1
 
+    def add_remote(self, samples: list[Sample], dropped_tokens: int, peak_bytes: int) -> None:
+        """Samples another process's collector made of its share of the rollout (a Ray
+        rollout worker's), with what its budget refused and held at most."""
+        for sample in samples:
+            self.buffer.add(sample)
+        with self._lock:
+            self.num_added += len({s.request_index for s in samples})
+            self.dropped_tokens += dropped_tokens
+            self.peak_bytes = max(self.peak_bytes, peak_bytes)
+
     def set_rewards(self, rewards: list[float]) -> None:
         """The rollout's rewards, in request order."""
         for index, reward in enumerate(rewards):

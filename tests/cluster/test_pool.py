@@ -116,3 +116,38 @@ def test_a_worker_killed_mid_rollout_is_rerun_and_replaced(local_ray, tiny_check
         _same(pool.generate(prompts, params), reference)   # the replacement serves too
     finally:
         pool.close()
+
+
+class _Samples(list):
+    def add(self, sample) -> None:
+        self.append(sample)
+
+
+def test_workers_turn_hidden_states_into_the_samples_a_local_engine_gives(
+        local_ray, tiny_checkpoint, random_drafter):
+    """The online drafter's data: each worker builds its requests' samples (under their index
+    in the whole rollout, the step's number) and the collector's buffer gets the same samples
+    a local engine's collector makes."""
+    from fastdraft.trainer.collector import SampleCollector
+    path, _ = tiny_checkpoint
+    prompts, params = _prompts(16), SamplingParams(temperature=1.0, max_new_tokens=30, seed=5)
+    local = SampleCollector(_Samples())
+    local.start_step(4)
+    engine = _factory(path, random_drafter)("cpu")
+    engine.generate(prompts, params, on_hidden=local, on_finish=local.on_finish,
+                    use_tqdm=False)
+    remote = SampleCollector(_Samples())
+    remote.start_step(4)
+    pool = _pool(path, random_drafter, 2, "concentrate")
+    try:
+        pool.generate(prompts, params, on_hidden=remote)
+    finally:
+        pool.close()
+    assert remote.num_added == local.num_added == len(prompts)
+    mine = sorted(remote.buffer, key=lambda s: s.request_index)
+    theirs = sorted(local.buffer, key=lambda s: s.request_index)
+    assert [s.request_index for s in mine] == [s.request_index for s in theirs]
+    for a, b in zip(mine, theirs):
+        assert a.rl_step == 4 and torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.allclose(a.hidden.float(), b.hidden.float(), atol=2e-2)
