@@ -13,11 +13,12 @@ if TYPE_CHECKING:  # annotations only
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout"],
+    p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
+                                     "cluster"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
-                   help="recipe, drafter, rollout: RECIPE.yaml [section.key=value ...] (default: "
-                        "recipes/tiny-grpo.yaml)")
+                   help="recipe, drafter, rollout, cluster: RECIPE.yaml [section.key=value ...] "
+                        "(default: recipes/tiny-grpo.yaml)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -54,6 +55,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
     p.add_argument("--parts", default="generate,decode,cycle,memory,rows",
                    help="gpu: which measurements to run")
+    p.add_argument("--gpu-json", type=Path, default=None,
+                   help="cluster: unit costs for the projections from this `bench gpu --json` "
+                        "file (default: the H100 floors of the README)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -63,7 +67,7 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
-    if args.which in ("recipe", "drafter", "rollout"):
+    if args.which in ("recipe", "drafter", "rollout", "cluster"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
@@ -94,15 +98,18 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_from_recipe(args: argparse.Namespace) -> int:
-    """`bench recipe | drafter | rollout`: a recipe (default: the tiny one) and overrides."""
-    from fastdraft.bench import drafter_bench, recipe_bench, rollout_bench
+    """`bench recipe | drafter | rollout | cluster`: a recipe (default: the tiny one) and
+    overrides."""
+    from fastdraft.bench import cluster_bench, drafter_bench, recipe_bench, rollout_bench
     module, run = {"recipe": (recipe_bench, recipe_bench.run_recipe_bench),
                    "drafter": (drafter_bench, drafter_bench.run_drafter_bench),
-                   "rollout": (rollout_bench, rollout_bench.run_rollout_bench)}[args.which]
+                   "rollout": (rollout_bench, rollout_bench.run_rollout_bench),
+                   "cluster": (cluster_bench, cluster_bench.run_cluster_bench)}[args.which]
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
-    extra = {"rounds": args.repeats} if args.which == "rollout" else {}
+    extra = ({"rounds": args.repeats} if args.which == "rollout" else
+             {"gpu_json": args.gpu_json} if args.which == "cluster" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
               args.json, args.cache_dir, **extra)
     print("\n".join(module.summary_lines(out)))

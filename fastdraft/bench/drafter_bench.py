@@ -82,11 +82,13 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
     return payload
 
 
-def drift_eval(runs: dict[str, Run], num_steps: int, num_seeds: int = 2) -> dict[str, Any]:
-    """The kd run's final policy in every engine; the same prompts and seeds with each drafter."""
+def drift_eval(runs: dict[str, Run], num_steps: int, num_seeds: int = 2, source: str = "kd"
+               ) -> dict[str, Any]:
+    """The source run's final policy in every engine; the same prompts and seeds with each
+    drafter."""
     for name, run in runs.items():
-        if name != "kd":
-            run.engine.load_weights(runs["kd"].actor.full_parameters())
+        if name != source:
+            run.engine.load_weights(runs[source].actor.full_parameters())
     out: dict[str, Any] = {}
     for name, run in runs.items():
         items = run.prompts.batch(0, run.cfg.rollout.prompts_per_step)

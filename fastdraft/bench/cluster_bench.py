@@ -1,0 +1,249 @@
+"""`fastdraft bench cluster`: what the Ray backend's idle workers buy, side by side in one run.
+
+Four runs of one recipe, steps interleaved (run A step 0, run B step 0, ...) with the same seeds,
+so machine drift hits all alike; the Ray runs use `cluster.rollout_workers` workers (default 2)
+of one thread each:
+
+- local_off / local_on: today's single process without / with the online drafter trainer (its
+  process beside the engine and the actor: the cost it has on a machine it shares);
+- ray_off / ray_on: the Ray backend without / with online training, the trainer promoted only
+  while a rollout worker is idle (drafter.online.during_update=false: on this machine the
+  actor's update has every core).
+
+Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time (the target: <= 1.10) beside
+the single process's `local_exposed_cost`; `adaptive_vs_stale`: every run's engine loads the
+ray_on run's final policy, then the same prompts and seeds are rolled out with each run's
+drafter (bench drafter's drift evaluation): the accept length of the drafter trained on idle
+workers over the warm-up drafter's (ray_off), and over today's (local_on); `sim_error`: the
+cluster simulator (cluster/simulator.py) replays each Ray run's steps (its answer lengths, its
+engine steps' measured unit costs, its update and push times) and |simulated - measured| /
+measured step time is reported, the rollout alone too. Then the simulator's projections for
+8 / 64 / 256 GPUs at 7B and 32B shapes, from `bench gpu` JSON (--gpu-json) or the H100 floors
+below, labelled as projections."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+from fastdraft.bench.common import write_json
+from fastdraft.bench.drafter_bench import drift_eval
+from fastdraft.cluster.simulator import SimConfig, StepShape, UnitCosts, projections, simulate_step
+from fastdraft.config import load_recipe
+from fastdraft.engine.request import prompt_key
+from fastdraft.rl.loop import train_step
+from fastdraft.rl.run import Run
+
+RAY = ["cluster.backend=ray", "cluster.worker_threads=1"]
+ARMS = {"local_off": ["drafter.online.enabled=false"],
+        "local_on": [],
+        "ray_off": [*RAY, "drafter.online.enabled=false"],
+        "ray_on": [*RAY, "drafter.online.during_update=false"]}
+# H100 floors at the Qwen2.5-7B shape with CUDA graphs (measured by an earlier `bench gpu`):
+# a decode step 7.07 ms, a 13-token verify 1.11 decode steps, one draft level 0.044 decode
+# steps (32k draft vocab). The per-row cost is the KV read of one 1500-token row at 3.35 TB/s
+# (57 KB a token). 32B: the weight read scales with the parameters (32.8 / 7.6), as does the KV
+# row (64 layers x 8 KV heads x 128 x 2 x 2 bytes = 262 KB a token). Both are projections.
+H100_7B = UnitCosts(step_base_s=7.07e-3, step_row_s=1500 * 57e3 / 3.35e12, verify_factor=1.11,
+                    draft_levels=6, draft_level_s=0.044 * 7.07e-3, prefill_token_s=2e-5)
+H100_32B = UnitCosts(step_base_s=7.07e-3 * 32.8 / 7.6, step_row_s=1500 * 262e3 / 3.35e12,
+                     verify_factor=1.11, draft_levels=6, draft_level_s=0.044 * 7.07e-3 * 32.8 / 7.6,
+                     prefill_token_s=2e-5 * 32.8 / 7.6)
+
+
+def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
+                      json_path: Path | None = None, cache_dir: Path | None = None,
+                      gpu_json: Path | None = None) -> dict[str, Any]:
+    import ray
+    base = load_recipe(recipe, [*RAY, "cluster.rollout_workers=2", *overrides])
+    workers = base.cluster.rollout_workers
+    # Logical CPUs for every Ray run's workers at once; only one run steps at a time.
+    ray.init(num_cpus=4 * workers, include_dashboard=False, log_to_driver=False)
+    quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
+             "drafter.export=false", f"cluster.rollout_workers={workers}"]
+    runs: dict[str, Run] = {}
+    try:
+        for name, extra in ARMS.items():
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+            local = "cluster.backend=ray" not in extra
+            arm = [*overrides, *quiet, *extra]
+            if local:   # the local backend runs one engine
+                arm = [o for o in arm if not o.startswith("cluster.")]
+            runs[name] = Run(load_recipe(recipe, arm), out_dir / name, cache_dir=cache_dir)
+        rows, shapes = _interleave(runs, base.algorithm.num_steps)
+        drift = drift_eval(runs, base.algorithm.num_steps, source="ray_on")
+    finally:
+        for run in runs.values():
+            run.close_after_failure()
+        ray.shutdown()
+    steps = slice(1, None) if base.algorithm.num_steps > 1 else slice(None)   # step 0 warms up
+
+    def step_s(name: str) -> float:
+        return mean(r["timing/step_s"] for r in rows[name][steps])
+
+    sims = {name: _sim_error(runs[name], rows[name][steps], shapes[name][steps], workers)
+            for name in ("ray_off", "ray_on")}
+    payload: dict[str, Any] = {
+        "recipe": str(recipe), "overrides": overrides, "rollout_workers": workers,
+        "num_steps": base.algorithm.num_steps,
+        "step_s": {name: step_s(name) for name in runs},
+        "rollout_s": {name: mean(r["timing/rollout_s"] for r in rows[name][steps])
+                      for name in runs},
+        "exposed_drafter_cost": step_s("ray_on") / step_s("ray_off"),
+        "local_exposed_cost": step_s("local_on") / step_s("local_off"),
+        "train_tokens_on_idle": sum(r.get("drafter/train_tokens_on_idle", 0.0)
+                                    for r in rows["ray_on"]),
+        "train_tokens": {name: rows[name][-1].get("drafter/train_tokens", 0.0)
+                         for name in ("local_on", "ray_on")},
+        "idle_fraction": {name: mean(r["cluster/idle_fraction"] for r in rows[name][steps])
+                          for name in ("ray_off", "ray_on")},
+        "accept_length": {name: drift[name]["eval_accept_length"] for name in runs},
+        "adaptive_vs_stale": drift["ray_on"]["eval_accept_length"]
+        / drift["ray_off"]["eval_accept_length"],
+        "adaptive_vs_today": drift["ray_on"]["eval_accept_length"]
+        / drift["local_on"]["eval_accept_length"],
+        "rewards": {name: [r["reward/mean"] for r in rows[name]] for name in runs},
+        "simulation": sims,
+        "sim_error": max(s["step_error"] for s in sims.values()),
+        "consolidation_rollout_ratio": None,   # measured once the engine migrates requests
+        "projections": _projections(gpu_json)}
+    if json_path is not None:
+        write_json(json_path, payload)
+    return payload
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """A Ray run's rollout as the simulator replays it: its shape (answer lengths in rollout
+    order, the lengths dispatch predicted), and the rows and seconds of every decode / verify
+    step its workers ran, and prefill seconds per prompt token."""
+
+    shape: StepShape
+    rows: list[int]
+    seconds: list[float]
+    prefill_token_s: float
+
+
+def _interleave(runs: dict[str, Run], num_steps: int
+                ) -> tuple[dict[str, list[dict[str, float]]], dict[str, list[MeasuredStep]]]:
+    """Every run's steps, interleaved; for the Ray runs each step's shape (answer lengths in
+    rollout order, the lengths dispatch predicted) and the workers' engine steps."""
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    shapes: dict[str, list[MeasuredStep]] = {name: [] for name in runs}
+    last: dict[str, dict[int, float]] = {name: {} for name in runs}
+    for step in range(num_steps):
+        for name, run in runs.items():
+            rows[name].append(train_step(run, step))
+            if run.timeline is not None:
+                shapes[name].append(_shape(run, last[name]))
+            row = rows[name][-1]
+            print(f"step {step + 1}/{num_steps} {name}: step {row['timing/step_s']:.2f}s "
+                  f"rollout {row['timing/rollout_s']:.2f}s accept "
+                  f"{row.get('rollout/accept_length', 1.0):.2f}", flush=True)
+    return rows, shapes
+
+
+def _shape(run: Run, last: dict[int, float]) -> MeasuredStep:
+    """The last rollout as the simulator sees it; `last` (prompt key -> the answers' mean
+    length at its previous rollout) is what the pool's dispatch predicted with."""
+    completions = sorted((c for part in run.engine.last_parts.values() for c in part.completions),
+                         key=lambda c: c.index)
+    group = run.cfg.rollout.group_size
+    keys = [prompt_key(c.prompt_token_ids) for c in completions]
+    guess = mean(last.values()) if last else 1.0
+    predicted = [last.get(k, guess) for k in keys]
+    lengths = [max(len(c.token_ids), 1) for c in completions]
+    for g in range(0, len(keys), group):
+        last[keys[g]] = mean(lengths[g:g + group])
+    prompt = round(mean(len(c.prompt_token_ids) for c in completions))
+    rows, seconds, prefill_s, prefill_tokens = [], [], 0.0, 0
+    for part in run.engine.last_parts.values():
+        trace = part.trace
+        bounds = [*trace.times[1:], trace.end]
+        for start, stop, active, arm in zip(trace.times, bounds, trace.active, trace.arms):
+            if arm == "prefill":
+                prefill_s += stop - start
+            else:
+                rows.append(active)
+                seconds.append(stop - start)
+        prefill_tokens += sum(len(c.prompt_token_ids) for c in part.completions)
+    return MeasuredStep(StepShape(lengths, group, prompt, predicted), rows, seconds,
+                        prefill_s / max(prefill_tokens, 1))
+
+
+def _sim_error(run: Run, rows: list[dict[str, float]], steps: list[MeasuredStep], workers: int
+               ) -> dict[str, float]:
+    """The run's steps replayed by the simulator. Its unit costs are fitted to the run's own
+    engine steps (a speculative step's measured time includes its drafting, so verify_factor 1
+    and no separate draft levels); each step keeps its measured update and push time and its
+    measured accept length. What is predicted is the rollout: from the answer lengths, the
+    dispatch and the per-row cost line."""
+    all_rows = [r for s in steps for r in s.rows]
+    all_seconds = [t for s in steps for t in s.seconds]
+    prefill = mean(s.prefill_token_s for s in steps)
+    cfg = SimConfig(workers=workers, max_batch=run.cfg.rollout.max_batch_size,
+                    dispatch=run.cfg.cluster.dispatch)
+    sim_step = sim_rollout = meas_step = meas_rollout = 0.0
+    for row, step in zip(rows, steps):
+        costs = UnitCosts.fit(all_rows, all_seconds, verify_factor=1.0, draft_levels=0,
+                              prefill_token_s=prefill,
+                              update_s=row["timing/reward_s"] + row["timing/update_s"],
+                              push_s=row["timing/push_s"])
+        mode = "spec_fixed" if "rollout/accept_length" in row else "plain"
+        result = simulate_step(step.shape, costs, cfg, mode,
+                               row.get("rollout/accept_length", 1.0))
+        sim_step += result.step_s
+        sim_rollout += result.rollout_s
+        meas_step += row["timing/step_s"]
+        meas_rollout += row["timing/rollout_s"]
+    return {"simulated_step_s": sim_step / len(rows), "measured_step_s": meas_step / len(rows),
+            "simulated_rollout_s": sim_rollout / len(rows),
+            "measured_rollout_s": meas_rollout / len(rows),
+            "step_error": abs(sim_step - meas_step) / meas_step,
+            "rollout_error": abs(sim_rollout - meas_rollout) / meas_rollout}
+
+
+def _projections(gpu_json: Path | None) -> dict[str, Any]:
+    if gpu_json is not None:
+        import json
+        costs = UnitCosts.from_gpu_bench(json.loads(Path(gpu_json).read_text()))
+        source = f"bench gpu JSON {gpu_json} (7B); 32B scaled by parameters (32.8 / 7.6)"
+        big = UnitCosts(**{**costs.__dict__, "step_base_s": costs.step_base_s * 32.8 / 7.6,
+                           "draft_level_s": costs.draft_level_s * 32.8 / 7.6})
+        models = {"7B": costs, "32B": big}
+    else:
+        source = "H100 floors at the 7B shape (7.07 ms decode, verify 1.11, draft level 0.044); " \
+                 "32B scaled by parameters; no GPU measured in this run"
+        models = {"7B": H100_7B, "32B": H100_32B}
+    return {"label": "projection", "source": source, "rows": projections(models)}
+
+
+def summary_lines(out: dict[str, Any]) -> list[str]:
+    sim = out["simulation"]
+    lines = [f"bench cluster: {out['num_steps']} steps each, {out['rollout_workers']} Ray rollout "
+             "workers of 1 thread (step 0 left out of the means)",
+             "  mean step s: " + "  ".join(f"{k} {v:.2f}" for k, v in out["step_s"].items()),
+             f"  exposed_drafter_cost (ray_on / ray_off step time): "
+             f"{out['exposed_drafter_cost']:.3f}   (single process, local_on / local_off: "
+             f"{out['local_exposed_cost']:.3f})",
+             f"  drafter tokens trained on idle workers: {out['train_tokens_on_idle']:.0f}; "
+             f"idle fraction ray_off {out['idle_fraction']['ray_off']:.3f} ray_on "
+             f"{out['idle_fraction']['ray_on']:.3f}",
+             "  accept length on ray_on's final policy: " + "  ".join(
+                 f"{k} {v:.2f}" for k, v in out["accept_length"].items()),
+             f"  adaptive_vs_stale {out['adaptive_vs_stale']:.3f}  adaptive_vs_today "
+             f"{out['adaptive_vs_today']:.3f}",
+             *(f"  simulated {name}: step {s['simulated_step_s']:.2f}s vs measured "
+               f"{s['measured_step_s']:.2f}s (error {s['step_error']:.3f}); rollout "
+               f"{s['simulated_rollout_s']:.2f}s vs {s['measured_rollout_s']:.2f}s (error "
+               f"{s['rollout_error']:.3f})" for name, s in sim.items()),
+             f"  sim_error (worst step-time error): {out['sim_error']:.3f}",
+             f"  projections ({out['projections']['source']}):"]
+    for row in out["projections"]["rows"]:
+        lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "
+                     f"step {row['step_s']:7.1f}s idle {row['idle_fraction']:.2f} speedup vs "
+                     f"plain {row['speedup_vs_plain']:.2f}")
+    return lines
