@@ -13,11 +13,11 @@ interface (generate, weights and drafter between steps, fallback, state) and ser
 
 The driver keeps a host replica (`host`: the policy and drafter on the CPU, a one-slot KV): the
 weights a replacement worker starts from, and what the online drafter reads (policy head,
-drafter shape). Ray is imported here only: the local backend never loads it."""
+drafter shape). Ray must be up (cluster/ray_cluster.connect); the local backend never loads
+it."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,18 +46,14 @@ class RolloutPool:
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
-        self._owns_ray = not ray.is_initialized()   # a test's or the user's cluster stays up
-        if self._owns_ray:
-            threads = max(cfg.worker_threads, 1)
-            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True,
-                     **({} if cfg.address else {
-                         "num_cpus": max(os.cpu_count() or 1, cfg.rollout_workers * threads)}))
         gpus = 1 if self.device.startswith("cuda") else 0
         self.bundle = {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
         self.group = placement_group([self.bundle] * cfg.rollout_workers, strategy="PACK")
         ray.get(self.group.ready())
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
         self.restarts = 0
+        self.owns_ray = False   # set by whoever started Ray for this pool's run
+        self.closed = False
         self._weights: Any = None     # object ref of the newest policy weights pushed
         self._drafter: tuple[Any, int, str | None] | None = None   # (ref, version, checksum)
         self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
@@ -286,8 +282,9 @@ class RolloutPool:
     def close(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
+        if self.closed or not ray.is_initialized():
+            return
+        self.closed = True
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
-        if self._owns_ray:
-            ray.shutdown()

@@ -35,6 +35,7 @@ from fastdraft.engine.memory_plan import (
     check_engine_fits,
     plan_engine,
 )
+from fastdraft.engine.migration import Handoff, Inbox, MigratedRequest
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
 from fastdraft.engine.rng import Stream, uniform_keyed
@@ -164,6 +165,7 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         self.rl_step = 0
         self.last_stats = SpecStats()
         self.last_trace = RolloutTrace()
+        self.last_migrated: list[MigratedRequest] = []   # what the last generate handed back
         self.fallback_reason: str | None = None
         # What the last step ran, made, and how many of its rows verified a tree.
         self.last_arm, self.last_num_tokens, self.last_num_drafting = "prefill", 0, 0
@@ -190,43 +192,70 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
                  on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,
-                 use_tqdm: bool | None = None, stream_ids: list[int] | None = None
+                 use_tqdm: bool | None = None, stream_ids: list[int] | None = None,
+                 resume: list[MigratedRequest] | None = None, inbox: Inbox | None = None,
+                 yield_below: int = 0, should_yield: Callable[[], bool] | None = None
                  ) -> list[Completion]:
         """Generates one completion per prompt; returns them in prompt order. Aggregated spec
         statistics of the call are in `engine.last_stats`. on_hidden receives the policy's
         hidden states of every committed token (engine/capture.py), step by step. stream_ids:
-        each prompt's random stream (default: its index; engine/request.make_requests)."""
+        each prompt's random stream (default: its index; engine/request.make_requests).
+
+        Migration (engine/migration.py; without these arguments nothing changes): resume:
+        requests another engine yielded, continued here (the prompts may then be []); inbox:
+        drained at every step boundary, closed when the call ends. Their completions follow
+        the prompts' (resume's, then the inbox's in arrival order), under the indices they
+        came with, which may repeat the prompts' own. yield_below > 0: after a step that
+        leaves fewer (but some) unfinished requests, and should_yield() agrees, the call
+        stops: its unfinished requests go to `engine.last_migrated` (index order), and the
+        list returned holds only the finished ones (then partial: use Completion.index)."""
         requests = make_requests(prompt_token_ids, params, self.config.vocab_size,
                                  self.max_seq_len, self.eos_token_ids, stream_ids)
+        handoff = Handoff(self.config.vocab_size, self.max_seq_len, self.eos_token_ids, inbox,
+                          yield_below, should_yield)
+        requests += handoff.receive(resume or [])
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens)
         for request in requests:
             scheduler.add(request)
-        self.last_stats = SpecStats()
+        self.last_stats, self.last_migrated = SpecStats(), []
         self.last_trace = trace = RolloutTrace(num_requests=len(requests))
         show = use_tqdm if use_tqdm is not None else len(requests) >= 64
-        results: list[Completion | None] = [None] * len(requests)
-        unfinished = len(requests)
+        results: dict[int, Completion] = {}   # by id(request): indices may repeat (migration)
         self.hidden_sink = on_hidden
-        with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
-            while scheduler.has_work:
-                trace.record(unfinished)
-                finished = self.step(scheduler)
-                trace.end_step(self.last_arm, self.last_num_tokens, self.last_num_drafting)
-                for request in finished:
-                    unfinished -= 1
-                    self.proposer.on_finish(request)
-                    if self.budget is not None:
-                        self.budget.record(request.prompt_key, len(request.output_token_ids))
-                    self.last_stats.merge(request.spec)
-                    completion = request.to_completion(self.policy_version, self.drafter_version,
-                                                       with_spec=self.spec.enabled)
-                    results[request.index] = completion
-                    bar.update(1)
-                    if on_finish is not None:
-                        on_finish(completion)
-        self.hidden_sink = None
+        try:
+            with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
+                while True:
+                    arrivals = handoff.refill(scheduler)  # closes the inbox when out of work
+                    requests += arrivals
+                    trace.num_requests = bar.total = len(requests)
+                    if not scheduler.has_work:
+                        break
+                    trace.record(len(requests) - len(results))
+                    finished = self.step(scheduler)
+                    trace.end_step(self.last_arm, self.last_num_tokens,
+                                   self.last_num_drafting)
+                    self._record_finished(finished, results, bar, on_finish)
+                    if handoff.yields(scheduler):
+                        break
+        finally:
+            self.last_migrated = handoff.finish(scheduler, self.proposer)
+            self.hidden_sink = None
         trace.finish()
-        return [c for c in results if c is not None]
+        return [results[id(r)] for r in requests if id(r) in results]
+
+    def _record_finished(self, finished: list[Request], results: dict[int, Completion],
+                         bar: tqdm, on_finish: OnFinish | None) -> None:
+        for request in finished:
+            self.proposer.on_finish(request)
+            if self.budget is not None:
+                self.budget.record(request.prompt_key, len(request.output_token_ids))
+            self.last_stats.merge(request.spec)
+            completion = request.to_completion(self.policy_version, self.drafter_version,
+                                               with_spec=self.spec.enabled)
+            results[id(request)] = completion
+            bar.update(1)
+            if on_finish is not None:
+                on_finish(completion)
 
     # ------------------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -247,24 +276,32 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
             self.io.sampling.move(moves)
 
     def _prefill(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+        """Prefills admitted requests and samples their first tokens. A resumed (migrated)
+        request prefills all its tokens but the last and samples nothing: its last token is
+        the root of its next step (engine/migration.py)."""
         requests, start = batch.requests, batch.slot_start
+        resumed = [bool(r.output_token_ids) for r in requests]
         self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
-        logits, hidden = self.runner.prefill([r.prompt_token_ids for r in requests], start,
+        logits, hidden = self.runner.prefill([r.prefill_token_ids for r in requests], start,
                                              self.aux_layers)
         st = self.io.sampling.tensors.rows(start, start + len(requests))
         mode = SamplingMode.of(requests)
         uniforms = None
         if mode is not SamplingMode.GREEDY:  # counter: the first token's position (prompt length)
-            lens = torch.tensor([[len(r.prompt_token_ids)] for r in requests],
-                                device=st.keys.device)
+            lens = torch.tensor([[r.prefill_len] for r in requests], device=st.keys.device)
             uniforms = uniform_keyed(st.key(Stream.SAMPLE), lens).squeeze(1)
         tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
+        tokens = Handoff.first_tokens(requests, tokens)
         if self.spec.enabled:
-            self.proposer.on_prefill(requests, hidden, start, tokens)
-        rows = torch.stack([tokens.double(), logprobs.double()], 1).tolist()
-        finished = self._postprocess(scheduler, batch, [[int(t)] for t, _ in rows],
-                                     [[lp] for _, lp in rows])
-        if self.hidden_sink is not None:  # every prompt position, paired with the next token
+            self.proposer.on_prefill(Handoff.prefill_views(requests), hidden, start, tokens)
+        rows = [[] if old else [(int(t), lp)] for (t, lp), old in zip(
+            torch.stack([tokens.double(), logprobs.double()], 1).tolist(), resumed)]
+        finished = self._postprocess(scheduler, batch, [[t for t, _ in r] for r in rows],
+                                     [[lp for _, lp in r] for r in rows])
+        if self.spec.enabled:   # as a fresh request hands its first token, a resumed one all
+            for r in (r for r, old in zip(requests, resumed) if old):
+                self.proposer.on_tokens(r, r.output_token_ids)
+        if self.hidden_sink is not None:  # every prefilled position, paired with the next token
             self._capture(requests, [0] * len(requests), hidden)
         return finished
 
@@ -339,7 +376,7 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         if self.spec.enabled:
             done = {id(r) for r in finished}
             for r, before in zip(batch.requests, num_before):
-                if id(r) not in done:
+                if id(r) not in done and len(r.output_token_ids) > before:
                     self.proposer.on_tokens(r, r.output_token_ids[before:])
         return finished
 

@@ -19,7 +19,8 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    index: int                       # position of the prompt in the generate() call
+    index: int                       # the prompt's position in the generate() call (a
+                                     # migrated request: the index it arrived with)
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
@@ -55,6 +56,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill of this request runs over: every token but the one its next step
+        feeds. A fresh request has no such token yet (its prefill samples it); a migrated one
+        arriving with answer tokens (engine/migration.py) feeds its last one next, exactly as
+        the engine it left would have."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
+
+    @property
+    def prefill_token_ids(self) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[: self.prefill_len]
 
     @property
     def last_token_id(self) -> int:

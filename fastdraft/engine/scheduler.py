@@ -80,10 +80,10 @@ class Scheduler:
         num_fit = min(self.num_slots - len(self.running), len(self.waiting))
         if num_fit:
             candidates = sorted((self.waiting.popleft() for _ in range(num_fit)),
-                                key=lambda r: len(r.prompt_token_ids))
+                                key=lambda r: r.prefill_len)
             longest = 0
             for request in candidates:   # ascending: each prompt is the chunk's longest
-                n = len(request.prompt_token_ids)
+                n = request.prefill_len   # a migrated request re-prefills its answer too
                 if admitted and ((len(admitted) + 1) * n > self.max_prefill_tokens
                                  or len(admitted) * (n - longest) > CHUNK_COST_TOKENS):
                     break

@@ -34,13 +34,15 @@ class UpdateResult:
 
 
 class Actor:
-    def __init__(self, spec: ActorSpec) -> None:
+    def __init__(self, spec: ActorSpec, peers: type = ActorPeers) -> None:
+        """peers: how ranks 1..N-1 run: processes of this one (ActorPeers) or Ray actors
+        (cluster/actor_group.RayActorPeers); same commands, same answers."""
         self.world = spec.actor.num_ranks
         if self.world > 1:
             spec = replace(spec, port=free_port())
         self.spec = spec
         # The followers start first: rank 0's process-group rendezvous waits for them.
-        self.peers = ActorPeers(spec) if self.world > 1 else None
+        self.peers = peers(spec) if self.world > 1 else None
         try:
             self.rank0 = ActorRank(spec, 0)
             self._gather("start-up")
@@ -132,6 +134,11 @@ class Actor:
         self._send("load_training_state", ({},))
         self.rank0.load_training_state(state)
         self._gather("the optimizer restore")
+
+    def lost_rank(self) -> str | None:
+        """A follower rank that died, as words (what a failed collective really means);
+        None when every rank lives."""
+        return self.peers.lost() if self.peers is not None else None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ends the follower ranks (asked, then killed after timeout_s)."""

@@ -79,6 +79,13 @@ class ActorPeers:
     def started(self) -> None:
         self.gather("start-up")
 
+    def lost(self) -> str | None:
+        """The first follower that died, as words; None when all live."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"actor rank {rank} died (exit code {process.exitcode})"
+        return None
+
     def close(self, timeout_s: float = 30.0) -> None:
         for conn, process in zip(self.conns, self.processes):
             if process.is_alive():

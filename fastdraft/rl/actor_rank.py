@@ -71,9 +71,10 @@ class ActorSpec:
 
 
 class ActorRank:
-    def __init__(self, spec: ActorSpec, rank: int = 0) -> None:
+    def __init__(self, spec: ActorSpec, rank: int = 0, device: str | None = None) -> None:
         self.spec, self.rank, self.world = spec, rank, spec.actor.num_ranks
-        self.device = rank_device(spec.device, rank)
+        # device: a rank that sees only its own GPU (a Ray actor's cuda:0) names it
+        self.device = torch.device(device) if device else rank_device(spec.device, rank)
         cfg = spec.actor
         compute = DTYPES[cfg.compute_dtype]
         if spec.sharded:

@@ -22,7 +22,7 @@ from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
 from fastdraft.engine import Completion, RolloutEngine
-from fastdraft.errors import Place, check_free_space, writable_dir
+from fastdraft.errors import FastdraftError, Place, check_free_space, writable_dir
 from fastdraft.rl.actor import Actor
 from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.dashboard import draw_dashboard
@@ -95,7 +95,7 @@ class Run:
             actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_seq_len,
-            device=device, num_steps=cfg.algorithm.num_steps))
+            device=device, num_steps=cfg.algorithm.num_steps), peers=_actor_peers(cfg))
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -215,8 +215,11 @@ class Run:
         last checkpoint on disk."""
         self.drafter.close(timeout_s)
         self.actor.close(timeout_s)
-        if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers
+        if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers, Ray itself
             self.engine.close()
+            if self.engine.owns_ray:
+                from fastdraft.cluster.ray_cluster import shutdown
+                shutdown()
         self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
@@ -258,10 +261,24 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
         budget=rollout.budget.build() if rollout.budget.enabled and not host else None)
 
 
+def _actor_peers(cfg: RunConfig) -> type:
+    """How the actor's ranks 1..N-1 run: processes of the run, or a Ray worker group."""
+    if cfg.cluster.backend == "ray":
+        from fastdraft.cluster.actor_group import RayActorPeers
+        return RayActorPeers
+    from fastdraft.rl.actor_peers import ActorPeers
+    return ActorPeers
+
+
 def _pool(cfg: RunConfig, make_engine: Callable[..., RolloutEngine]) -> Any:
     from fastdraft.cluster.pool import RolloutPool
-    return RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True),
+    from fastdraft.cluster.ray_cluster import connect
+    threads = max(cfg.cluster.worker_threads, 1)
+    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers + cfg.actor.num_ranks - 1)
+    pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True),
                        cfg.model.device, cfg.rollout.group_size)
+    pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
+    return pool
 
 
 def check_paths(cfg: RunConfig) -> None:
@@ -353,16 +370,53 @@ def rollout_seq_len(cfg: RunConfig) -> int:
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
                cache_dir: Path | None = None, resume_force: bool = False) -> Any:
+    """Runs the recipe to its end. A run whose actor rank died (a killed process, a lost GPU)
+    resumes from its last checkpoint by itself, cluster.max_actor_restarts times."""
     from fastdraft.rl.loop import train
-    run = Run(cfg, run_dir, resume, cache_dir, resume_force)
-    try:
-        train(run)
-    except BaseException as err:
-        # A stop signal may surface as the error it caused on its way out (a collective whose
-        # peer went away while a `finally` ran): it is still the stop the user asked for.
-        signum = stop_signal_in(err)
-        if signum is None:
+    restarts = 0
+    while True:
+        run = Run(cfg, run_dir, resume, cache_dir, resume_force)
+        try:
+            train(run)
+            return run
+        except BaseException as err:
+            # A stop signal may surface as the error it caused on its way out (a collective
+            # whose peer went away while a `finally` ran): it is still the stop the user asked for.
+            signum = stop_signal_in(err)
+            if signum is not None:
+                run.abandon(signum)
+            lost = lost_actor_rank(run, err)
             run.close_after_failure()
-            raise
-        run.abandon(signum)
-    return run
+            if lost is None:
+                raise
+            if restarts >= cfg.cluster.max_actor_restarts:
+                raise ActorRanksLost(
+                    f"{lost}, after {restarts} automatic resume(s) (cluster.max_actor_restarts="
+                    f"{cfg.cluster.max_actor_restarts}); the checkpoints in {run_dir} are whole: "
+                    "resume with --resume once the machine is sound") from err
+        restarts += 1
+        resume, resume_force = run.checkpoints.latest() is not None, False
+        limit = cfg.cluster.max_actor_restarts
+        print(f"fastdraft: {lost}; resuming from "
+              f"{'the last checkpoint' if resume else 'the start (no checkpoint yet)'} "
+              f"(restart {restarts} of cluster.max_actor_restarts={limit})", flush=True)
+
+
+class ActorRanksLost(FastdraftError):
+    """Actor ranks kept dying: more than cluster.max_actor_restarts automatic resumes."""
+
+
+def lost_actor_rank(run: Run, err: BaseException) -> str | None:
+    """What an error means when an actor rank is gone: the rank's own error, or a collective
+    that failed because its peer died; None for any other error."""
+    from fastdraft.errors import exception_chain
+    from fastdraft.rl.actor_peers import ActorRankError
+    for link in exception_chain(err):
+        if isinstance(link, ActorRankError):
+            return str(link).splitlines()[0]
+    if not isinstance(err, Exception):   # KeyboardInterrupt and the like: not a lost rank
+        return None
+    try:
+        return run.actor.lost_rank()
+    except Exception:   # the check itself failed: report the original error
+        return None

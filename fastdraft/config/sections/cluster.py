@@ -21,7 +21,8 @@ class ClusterConfig:
     balance (the predicted cost, longest first, onto the least loaded), concentrate (the longest
     groups packed together so other workers free up early) or round_robin.
     max_worker_restarts: a rollout worker that dies is replaced this many times in a run; its
-    requests re-run on the others either way."""
+    requests re-run on the others either way. max_actor_restarts: a run whose actor rank died
+    resumes from its last checkpoint by itself this many times (either backend)."""
 
     backend: str = "local"
     rollout_workers: int = 1
@@ -30,6 +31,7 @@ class ClusterConfig:
     worker_device: str | None = None
     dispatch: str = "balance"
     max_worker_restarts: int = 3
+    max_actor_restarts: int = 2
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
@@ -42,4 +44,5 @@ class ClusterConfig:
                  "default)")
         _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
                  f"{self.dispatch!r}")
-        _require(self.max_worker_restarts >= 0, "cluster.max_worker_restarts must be >= 0")
+        _require(self.max_worker_restarts >= 0 and self.max_actor_restarts >= 0,
+                 "cluster.max_worker_restarts and max_actor_restarts must be >= 0")

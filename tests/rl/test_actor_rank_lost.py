@@ -1,0 +1,94 @@
+"""A run whose actor rank is killed (a real SIGKILL, mid-run) resumes from its last checkpoint by
+itself and ends where an unbroken run ends, the same weights, with process ranks and with Ray
+ranks alike; a second loss past cluster.max_actor_restarts fails with the rank named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from fastdraft.config import load_recipe
+from fastdraft.rl.run import run_recipe
+from fastdraft.utils.digest import tensor_digest
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+
+
+def _cfg(char_policy, tmp_path, *extra):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\nrollout:\n  prompts_per_step: 4\n"
+                      "  group_size: 4\n  max_new_tokens: 12\n  max_batch_size: 16\n"
+                      "  spec:\n    method: suffix\n"
+                      f"algorithm:\n  num_steps: {STEPS}\nactor:\n  num_ranks: 2\n"
+                      "  lr: 1.0e-3\ncheckpoint:\n  every: 1\n  keep: 5\n"
+                      "logging:\n  wandb:\n    mode: disabled\n  dashboard: false\n"
+                      "  progress: false\ndata:\n  task_pool: 4\n")
+    return load_recipe(recipe, list(extra))
+
+
+def _kill_rank1_after_step(run_dir, step: int) -> threading.Thread:
+    """SIGKILLs the process of actor rank 1 once metrics.jsonl has `step` rows."""
+    import multiprocessing
+
+    import psutil
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
+                break
+            time.sleep(0.05)
+        for child in multiprocessing.active_children():
+            if child.name == "fastdraft-actor-rank1":
+                os.kill(child.pid, signal.SIGKILL)
+                return
+        for proc in psutil.process_iter(["cmdline"]):   # a Ray rank: its worker process
+            if "_Rank" in " ".join(proc.info["cmdline"] or []):
+                proc.send_signal(signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _final_digest(run_dir) -> str:
+    from safetensors.torch import load_file
+    ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
+    tensors = {}
+    for f in sorted((ckpt / "model").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensor_digest(sorted(tensors.items()))
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_killed_actor_rank_resumes_from_the_last_checkpoint(char_policy, tmp_path, backend,
+                                                                capsys):
+    extra = [f"cluster.backend={backend}"]
+    unbroken = run_recipe(_cfg(char_policy, tmp_path, *extra), tmp_path / "unbroken")
+    del unbroken
+    run_dir = tmp_path / "broken"
+    watcher = _kill_rank1_after_step(run_dir, 2)
+    run_recipe(_cfg(char_policy, tmp_path, *extra), run_dir)
+    watcher.join(timeout=5)
+    out = capsys.readouterr().out
+    assert "actor rank 1 died" in out and "resuming from the last checkpoint" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert _final_digest(run_dir) == _final_digest(tmp_path / "unbroken")
+
+
+def test_ranks_that_keep_dying_end_the_run_with_one_clear_error(char_policy, tmp_path):
+    from fastdraft.rl.run import ActorRanksLost
+    run_dir = tmp_path / "run"
+    watcher = _kill_rank1_after_step(run_dir, 1)
+    with pytest.raises(ActorRanksLost, match=r"actor rank 1 died.*max_actor_restarts=0.*--resume"):
+        run_recipe(_cfg(char_policy, tmp_path, "cluster.max_actor_restarts=0"), run_dir)
+    watcher.join(timeout=5)
