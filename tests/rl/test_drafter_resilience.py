@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
@@ -34,18 +35,27 @@ def _online(engine, **cfg) -> OnlineDrafter:
                                              **cfg), engine)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_drafter, tmp_path):
-    run = Run(_cfg(char_policy, *ONLINE, f"drafter.path={char_drafter}",
+@pytest.mark.parametrize("cluster", [[], ["cluster.backend=ray", "cluster.rollout_workers=2"]],
+                         ids=["local", "ray"])
+def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_drafter, tmp_path,
+                                                          cluster):
+    run = Run(_cfg(char_policy, *ONLINE, f"drafter.path={char_drafter}", *cluster,
                    "algorithm.num_steps=4", "drafter.online.max_restarts=1"), tmp_path / "run")
+    served = []   # the drafter version each rollout's completions carry, and the engine's then
     try:
         train_step(run, 0)
         good = run.engine.drafter_version
         first = run.drafter.worker.process.pid
         os.kill(first, signal.SIGKILL)
         for step in (1, 2, 3):
+            version = run.engine.drafter_version
             train_step(run, step)
+            if cluster:   # every Ray rollout worker served the one published version
+                served.append(({c.drafter_version for part in run.engine.last_parts.values()
+                                for c in part.completions}, version))
     finally:
         run.finish()
+    assert all(got == {want} for got, want in served)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
