@@ -19,7 +19,7 @@ it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ class RolloutPool:
         self.restarts = 0
         self.owns_ray = False   # set by whoever started Ray for this pool's run
         self.closed = False
-        self._weights: Any = None     # object ref of the newest policy weights pushed
+        self._weights: list[Any] | None = None   # object refs of the newest weights' buckets
         self._drafter: tuple[Any, int, str | None] | None = None   # (ref, version, checksum)
         self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
         self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
@@ -195,13 +195,20 @@ class RolloutPool:
     # -------------------------------------------------------------------- between steps
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
-        """The policy's new weights into every worker, through the object store once."""
+        """The policy's new weights into every worker: the actor's gather is streamed in
+        buckets of cluster.push_bucket_mb, each put into the object store once and loaded by
+        every worker while the next is gathered, so the driver never holds more than a bucket
+        beyond its host replica."""
         import ray
         start = time.perf_counter()
-        named = [(name, t.detach().cpu()) for name, t in named_tensors]
-        version = self.host.load_weights(named, version)
-        self._weights = ray.put(named)
-        self._on_all(lambda w: w.load_weights.remote(self._weights, version))
+        version = self.host.policy_version + 1 if version is None else version
+        refs, loads = [], []
+        for bucket in _buckets(named_tensors, int(self.cfg.push_bucket_mb * 2**20)):
+            self.host.load_weights(bucket, version)
+            refs.append(ray.put(bucket))
+            loads += [w.load_weights.remote(refs[-1], version) for w in self.workers]
+        self._weights = refs
+        self._wait(loads)
         self.last_push_s = time.perf_counter() - start
         return version
 
@@ -248,14 +255,23 @@ class RolloutPool:
     def _on_all(self, call: Callable[[Any], Any]) -> None:
         """call(worker) on every worker and wait; a worker found dead is replaced (and starts
         from the current state), so a broadcast never leaves a worker behind."""
+        self._wait([call(w) for w in self.workers])
+
+    def _wait(self, futures: list[Any]) -> None:
+        """Waits for calls made on the workers in order (len(workers) a round); a worker that
+        died is replaced from the current state, which the failed call was part of."""
         import ray
-        futures = [call(w) for w in self.workers]
-        for k, future in enumerate(futures):
+        replaced: set[int] = set()
+        for i, future in enumerate(futures):
+            k = i % len(self.workers)
             try:
                 ray.get(future)
             except ray.exceptions.RayActorError as err:
-                print(f"cluster: rollout worker {k} died ({type(err).__name__}); replacing it")
-                self._replace(k)
+                if k not in replaced:
+                    print(f"cluster: rollout worker {k} died ({type(err).__name__}); "
+                          "replacing it")
+                    self._replace(k)
+                    replaced.add(k)
 
     def _replace(self, k: int) -> None:
         import ray
@@ -266,8 +282,8 @@ class RolloutPool:
         ray.kill(self.workers[k], no_restart=True)
         worker = self._start(k)
         calls = [worker.pid.remote()]
-        if self._weights is not None:
-            calls.append(worker.load_weights.remote(self._weights, self.host.policy_version))
+        for ref in self._weights or []:
+            calls.append(worker.load_weights.remote(ref, self.host.policy_version))
         if self._drafter is not None:
             calls.append(worker.load_drafter_weights.remote(*self._drafter))
         calls.append(worker.set_spec.remote(self.host.spec, self.host.fallback_reason))
@@ -288,3 +304,19 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Host copies of the tensors in groups of at most `limit` bytes (a bigger tensor alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        tensor = tensor.detach().cpu()
+        if bucket and size + tensor.nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket

@@ -35,12 +35,12 @@ def _factory(path, drafter):
                    spec=SPEC)
 
 
-def _pool(path, drafter, workers: int, dispatch: str = "balance"):
+def _pool(path, drafter, workers: int, dispatch: str = "balance", **cluster):
     from fastdraft.cluster.pool import RolloutPool
     host = RolloutEngine(path, "cpu", max_batch_size=1, max_seq_len=160, drafter=drafter,
                          spec=SPEC)
     cfg = ClusterConfig(backend="ray", rollout_workers=workers, dispatch=dispatch,
-                        max_worker_restarts=2)
+                        max_worker_restarts=2, **cluster)
     return RolloutPool(cfg, _factory(path, drafter), host, "cpu", GROUP)
 
 
@@ -84,14 +84,16 @@ def test_pushed_weights_reach_every_worker(local_ray, tiny_checkpoint, random_dr
     local = _factory(path, random_drafter)("cpu")
     local.load_weights(changed)
     prompts, params = _prompts(16), SamplingParams(temperature=1.0, max_new_tokens=30, seed=3)
-    pool = _pool(path, random_drafter, 2)
+    pool = _pool(path, random_drafter, 2, push_bucket_mb=0.02)   # 20 KB: many buckets
     try:
         before = pool.generate(prompts, params)
-        assert pool.load_weights(changed) == 1 and pool.policy_version == 1
+        assert pool.load_weights(iter(changed)) == 1 and pool.policy_version == 1
+        assert len(pool._weights) > 3   # streamed in buckets
         after = pool.generate(prompts, params)
         _same(after, local.generate(prompts, params, use_tqdm=False))
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
         assert all(c.policy_version == 1 for c in after)
+        assert pool.last_push_s > 0
     finally:
         pool.close()
 

@@ -22,7 +22,9 @@ class ClusterConfig:
     groups packed together so other workers free up early) or round_robin.
     max_worker_restarts: a rollout worker that dies is replaced this many times in a run; its
     requests re-run on the others either way. max_actor_restarts: a run whose actor rank died
-    resumes from its last checkpoint by itself this many times (either backend)."""
+    resumes from its last checkpoint by itself this many times (either backend).
+    push_bucket_mb: the policy's weights reach the workers in object-store buckets of this size,
+    streamed from the actor's gather (the driver holds one bucket at a time)."""
 
     backend: str = "local"
     rollout_workers: int = 1
@@ -32,6 +34,7 @@ class ClusterConfig:
     dispatch: str = "balance"
     max_worker_restarts: int = 3
     max_actor_restarts: int = 2
+    push_bucket_mb: float = 512.0
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
@@ -44,5 +47,6 @@ class ClusterConfig:
                  "default)")
         _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
                  f"{self.dispatch!r}")
+        _require(self.push_bucket_mb > 0, "cluster.push_bucket_mb must be > 0")
         _require(self.max_worker_restarts >= 0 and self.max_actor_restarts >= 0,
                  "cluster.max_worker_restarts and max_actor_restarts must be >= 0")
