@@ -18,6 +18,18 @@ feeds root o_m at position len(prompt) + m - 1, the step the donor would have ru
 differ is floating-point rounding (a prefill and the decode steps that wrote the donor's cache
 reduce in different orders): a token flips only on a near-tie at that resolution.
 
+What must match between donor and receiver for sampled requests: the same weights and the same
+speculation (method, tree shape, no tuner, no length budget). A sampled token's draw site
+depends on the step kind (a plain step draws from Stream.SAMPLE, a verify step from VERIFY and
+BONUS, through the drafts), and a tuner or budget chooses the kind per batch, so with those
+on, sampled answers depend on batch composition already, migration or not. Greedy requests
+need only the same weights.
+
+Indices: a migrated request keeps the index it left with; on the receiver it may equal one of
+the receiver's own prompt indices (on_finish, on_hidden and Completion.index then repeat it).
+A caller that routes by index gives migrated requests indices its own calls never use (e.g.
+global rollout indices, or -1 - global index).
+
 Hidden-state capture: a resumed request's prefill re-emits records for every position it
 prefills, so the receiver's records of a migrated request cover its whole sequence (positions
 0 .. L - 2, as capture.py pairs them). The caller must drop the donor's records of a migrated
@@ -183,8 +195,10 @@ class Handoff:
         return arrivals
 
     def yields(self, scheduler: Scheduler) -> bool:
-        """Asked after each step: fewer than yield_below requests left (but some), and the
-        caller agrees (should_yield is only asked then)."""
+        """Asked after each step (never before the first: a call that yields makes progress
+        first, so a tail cannot bounce between engines without moving): fewer than yield_below
+        requests left (but some), and the caller agrees. should_yield is asked only then, at
+        every such boundary until it says yes."""
         left = len(scheduler.running) + len(scheduler.waiting)
         return 0 < left < self.yield_below and self.should_yield()
 
