@@ -8,7 +8,9 @@ of one thread each:
   process beside the engine and the actor: the cost it has on a machine it shares);
 - ray_off / ray_on: the Ray backend without / with online training, the trainer promoted only
   while a rollout worker is idle (drafter.online.during_update=false: on this machine the
-  actor's update has every core).
+  actor's update has every core);
+- ray_consolidate: ray_on with tail consolidation (cluster.consolidate_below, --consolidate-
+  below): a worker's last requests move to the worker still generating, and the donor trains.
 
 Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time (the target: <= 1.10) beside
 the single process's `local_exposed_cost`; `adaptive_vs_stale`: every run's engine loads the
@@ -17,9 +19,10 @@ drafter (bench drafter's drift evaluation): the accept length of the drafter tra
 workers over the warm-up drafter's (ray_off), and over today's (local_on); `sim_error`: the
 cluster simulator (cluster/simulator.py) replays each Ray run's steps (its answer lengths, its
 engine steps' measured unit costs, its update and push times) and |simulated - measured| /
-measured step time is reported, the rollout alone too. Then the simulator's projections for
-8 / 64 / 256 GPUs at 7B and 32B shapes, from `bench gpu` JSON (--gpu-json) or the H100 floors
-below, labelled as projections."""
+measured step time is reported, the rollout alone too; `consolidation_rollout_ratio`:
+ray_consolidate / ray_on mean rollout time (with the requests moved per step). Then the
+simulator's projections for 8 / 64 / 256 GPUs at 7B and 32B shapes, from `bench gpu` JSON
+(--gpu-json) or the H100 floors below, labelled as projections."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ RAY = ["cluster.backend=ray", "cluster.worker_threads=1"]
 ARMS = {"local_off": ["drafter.online.enabled=false"],
         "local_on": [],
         "ray_off": [*RAY, "drafter.online.enabled=false"],
-        "ray_on": [*RAY, "drafter.online.during_update=false"]}
+        "ray_on": [*RAY, "drafter.online.during_update=false"],
+        "ray_consolidate": [*RAY, "drafter.online.during_update=false"]}   # + consolidate_below
 # H100 floors at the Qwen2.5-7B shape with CUDA graphs (measured by an earlier `bench gpu`):
 # a decode step 7.07 ms, a 13-token verify 1.11 decode steps, one draft level 0.044 decode
 # steps (32k draft vocab). The per-row cost is the KV read of one 1500-token row at 3.35 TB/s
@@ -56,7 +60,8 @@ H100_32B = UnitCosts(step_base_s=7.07e-3 * 32.8 / 7.6, step_row_s=1500 * 262e3 /
 
 def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
                       json_path: Path | None = None, cache_dir: Path | None = None,
-                      gpu_json: Path | None = None) -> dict[str, Any]:
+                      gpu_json: Path | None = None, consolidate_below: int = 16
+                      ) -> dict[str, Any]:
     import ray
     base = load_recipe(recipe, [*RAY, "cluster.rollout_workers=2", *overrides])
     workers = base.cluster.rollout_workers
@@ -70,6 +75,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
             shutil.rmtree(out_dir / name, ignore_errors=True)
             local = "cluster.backend=ray" not in extra
             arm = [*overrides, *quiet, *extra]
+            if name == "ray_consolidate":
+                arm.append(f"cluster.consolidate_below={consolidate_below}")
             if local:   # the local backend runs one engine
                 arm = [o for o in arm if not o.startswith("cluster.")]
             runs[name] = Run(load_recipe(recipe, arm), out_dir / name, cache_dir=cache_dir)
@@ -99,7 +106,7 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "train_tokens": {name: rows[name][-1].get("drafter/train_tokens", 0.0)
                          for name in ("local_on", "ray_on")},
         "idle_fraction": {name: mean(r["cluster/idle_fraction"] for r in rows[name][steps])
-                          for name in ("ray_off", "ray_on")},
+                          for name in ("ray_off", "ray_on", "ray_consolidate")},
         "accept_length": {name: drift[name]["eval_accept_length"] for name in runs},
         "adaptive_vs_stale": drift["ray_on"]["eval_accept_length"]
         / drift["ray_off"]["eval_accept_length"],
@@ -108,7 +115,12 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "rewards": {name: [r["reward/mean"] for r in rows[name]] for name in runs},
         "simulation": sims,
         "sim_error": max(s["step_error"] for s in sims.values()),
-        "consolidation_rollout_ratio": None,   # measured once the engine migrates requests
+        "consolidate_below": consolidate_below,
+        "consolidation_rollout_ratio": mean(r["timing/rollout_s"] for r in
+                                            rows["ray_consolidate"][steps])
+        / mean(r["timing/rollout_s"] for r in rows["ray_on"][steps]),
+        "migrated_per_step": mean(r["cluster/migrated_requests"]
+                                  for r in rows["ray_consolidate"]),
         "projections": _projections(gpu_json)}
     if json_path is not None:
         write_json(json_path, payload)
@@ -149,7 +161,7 @@ def _interleave(runs: dict[str, Run], num_steps: int
 def _shape(run: Run, last: dict[int, float]) -> MeasuredStep:
     """The last rollout as the simulator sees it; `last` (prompt key -> the answers' mean
     length at its previous rollout) is what the pool's dispatch predicted with."""
-    completions = sorted((c for part in run.engine.last_parts.values() for c in part.completions),
+    completions = sorted((c for part in run.engine.last_parts for c in part.completions),
                          key=lambda c: c.index)
     group = run.cfg.rollout.group_size
     keys = [prompt_key(c.prompt_token_ids) for c in completions]
@@ -160,7 +172,7 @@ def _shape(run: Run, last: dict[int, float]) -> MeasuredStep:
         last[keys[g]] = mean(lengths[g:g + group])
     prompt = round(mean(len(c.prompt_token_ids) for c in completions))
     rows, seconds, prefill_s, prefill_tokens = [], [], 0.0, 0
-    for part in run.engine.last_parts.values():
+    for part in run.engine.last_parts:
         trace = part.trace
         bounds = [*trace.times[1:], trace.end]
         for start, stop, active, arm in zip(trace.times, bounds, trace.active, trace.arms):
@@ -241,6 +253,11 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
                f"{s['simulated_rollout_s']:.2f}s vs {s['measured_rollout_s']:.2f}s (error "
                f"{s['rollout_error']:.3f})" for name, s in sim.items()),
              f"  sim_error (worst step-time error): {out['sim_error']:.3f}",
+             f"  consolidation_rollout_ratio (ray_consolidate / ray_on rollout time, "
+             f"consolidate_below={out['consolidate_below']}): "
+             f"{out['consolidation_rollout_ratio']:.3f}; {out['migrated_per_step']:.1f} "
+             f"requests moved per step; idle fraction "
+             f"{out['idle_fraction']['ray_consolidate']:.3f}",
              f"  projections ({out['projections']['source']}):"]
     for row in out["projections"]["rows"]:
         lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "

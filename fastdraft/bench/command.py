@@ -58,6 +58,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-json", type=Path, default=None,
                    help="cluster: unit costs for the projections from this `bench gpu --json` "
                         "file (default: the H100 floors of the README)")
+    p.add_argument("--consolidate-below", type=int, default=16,
+                   help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
+                        "worker's tail of fewer requests moves to a generating worker)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -109,7 +112,8 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
     extra = ({"rounds": args.repeats} if args.which == "rollout" else
-             {"gpu_json": args.gpu_json} if args.which == "cluster" else {})
+             {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below}
+             if args.which == "cluster" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
               args.json, args.cache_dir, **extra)
     print("\n".join(module.summary_lines(out)))

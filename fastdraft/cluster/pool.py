@@ -25,10 +25,17 @@ from typing import Any
 import torch
 
 from fastdraft.cluster.dispatch import assign_groups
-from fastdraft.cluster.rollout_worker import Capture, EngineFactory, RolloutWorker, WorkerRollout
+from fastdraft.cluster.rollout_worker import (
+    HANDOFF,
+    Capture,
+    EngineFactory,
+    RolloutWorker,
+    WorkerRollout,
+)
 from fastdraft.cluster.timeline import Span
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
+from fastdraft.engine.migration import MigratedRequest
 from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
@@ -59,22 +66,28 @@ class RolloutPool:
         self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
         self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
         self.last_spans: list[Span] = []
-        self.last_parts: dict[int, WorkerRollout] = {}   # each worker's share of the last rollout
+        self.last_parts: list[WorkerRollout] = []   # what each worker call of the last rollout did
+        self.last_migrated = 0   # requests that changed worker in the last rollout
         self.last_push_s = 0.0
         self.reruns = 0   # requests re-run after their worker died (this run)
+        self._rollout = 0   # numbers the rollouts: a worker ignores a stale accept / peers
         # Called when a worker's share is done while others still generate; True when that
         # promoted the worker to drafter training (the online drafter's on_worker_idle).
         self.idle_hook: Callable[[], bool] | None = None
 
     def _start(self, index: int) -> Any:
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        cls = ray.remote(RolloutWorker).options(
+        cls = self._remote_class().options(
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.group, placement_group_bundle_index=index),
             name=None, max_restarts=0)
         return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
+
+    def _remote_class(self) -> Any:
+        import ray
+        # accept / peers run on a thread of their own, beside the running generate.
+        return ray.remote(concurrency_groups={HANDOFF: 1})(RolloutWorker)
 
     # --------------------------------------------------------------------- the engine's face
     def __getattr__(self, name: str) -> Any:
@@ -94,7 +107,8 @@ class RolloutPool:
         """One completion per prompt, in prompt order; groups of `group_size` consecutive
         prompts stay together. on_hidden: the online drafter's collector; each worker turns its
         requests' hidden states into samples as they finish (its budget) and they join the
-        collector's buffer when the worker's share is done."""
+        collector's buffer when the worker's share is done. With cluster.consolidate_below a
+        worker's tail moves to a worker still generating, and the donor goes idle (or trains)."""
         import ray
         n, size = len(prompt_token_ids), self.group_size
         if n % size:
@@ -105,79 +119,76 @@ class RolloutPool:
         owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
         shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
                   for k in range(len(self.workers))]
-        start = time.time()
-        results: list[Completion | None] = [None] * n
-        done: dict[int, WorkerRollout] = {}
-        training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
+        self._rollout += 1
         capture = None if on_hidden is None else Capture(
             on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
-        pending = {self._call(k, share, prompt_token_ids, params, capture): (k, share)
-                   for k, share in enumerate(shares) if share}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            k, share = pending.pop(ready[0])
+        call = _Dispatch(self, prompt_token_ids, params, capture)
+        for k, share in enumerate(shares):
+            if share:
+                call.submit(k, share, peers_busy=sum(map(bool, shares)) - 1)
+        start = time.time()
+        results: list[Completion | None] = [None] * n
+        done: list[tuple[int, WorkerRollout]] = []
+        training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
+        while call.pending:
+            ready, _ = ray.wait(list(call.pending), num_returns=1)
+            k, indices = call.pending.pop(ready[0])
             try:
                 part: WorkerRollout = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
-                pending.update(self._rerun(k, share, prompt_token_ids, params, capture, err))
+                call.rerun(k, indices, err)
                 continue
-            done[k] = part
+            done.append((k, part))
             if on_hidden is not None:
                 on_hidden.add_remote(part.samples, part.dropped_tokens, part.peak_bytes)
             for completion in part.completions:
                 results[completion.index] = completion
                 if on_finish is not None:
                     on_finish(completion)
-            if pending and self.idle_hook is not None and self.idle_hook():
+            if part.migrated:
+                call.forward(k, part.migrated)
+            call.tell_peers()
+            if (call.pending and k not in call.busy() and self.idle_hook is not None
+                    and self.idle_hook()):
                 training[k] = time.time()
         self._account(done, training, start, time.time(), n)
+        self.last_migrated = call.migrated
         out = [c for c in results if c is not None]
         for g in groups:
             self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
                 len(out[i].token_ids) for i in g) / len(g)
         return out
 
-    def _call(self, k: int, share: list[int], prompts: list[list[int]],
-              params: SamplingParams, capture: Capture | None) -> Any:
-        return self.workers[k].generate.remote([prompts[i] for i in share], params, share,
-                                               capture)
-
-    def _rerun(self, k: int, share: list[int], prompts: list[list[int]],
-               params: SamplingParams, capture: Capture | None, err: Exception
-               ) -> dict[Any, tuple[int, list[int]]]:
-        """Worker k died with `share` unfinished: a replacement takes its place (with the
-        current weights) and the share is split over every worker, the new one too."""
-        print(f"cluster: rollout worker {k} died ({type(err).__name__}); re-running its "
-              f"{len(share)} requests on the others")
-        self.reruns += len(share)
-        self._replace(k)
-        live = len(self.workers)
-        parts = [share[i::live] for i in range(live)]
-        return {self._call(w, part, prompts, params, capture): (w, part)
-                for w, part in enumerate(parts) if part}
-
-    def _account(self, done: dict[int, WorkerRollout], training: dict[int, float],
+    def _account(self, done: list[tuple[int, WorkerRollout]], training: dict[int, float],
                  start: float, end: float, n: int) -> None:
         """The rollout's trace (every worker's steps on one clock), spec statistics and each
-        worker's generate / idle / train spans."""
+        worker's generate / idle / train spans (a worker may have run more than one part: a
+        re-run share, or a tail nobody took)."""
         trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
         events = []
-        for k, part in sorted(done.items()):
-            stats.merge(part.stats)
-            base = part.start - part.trace.times[0] if part.trace.times else part.start
-            events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
-                part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
-                part.trace.drafting)]
-            spans.append(Span(f"rollout{k}", "generate", max(part.start - start, 0.0),
-                              max(part.end - start, 0.0)))
-            idle_from = max(part.end - start, 0.0)
+        by_worker: dict[int, list[WorkerRollout]] = {}
+        for k, part in done:
+            by_worker.setdefault(k, []).append(part)
+        for k, parts in sorted(by_worker.items()):
+            name, at = f"rollout{k}", (lambda t: max(t - start, 0.0))
+            parts.sort(key=lambda p: p.start)
+            for i, part in enumerate(parts):
+                stats.merge(part.stats)
+                base = part.start - part.trace.times[0] if part.trace.times else part.start
+                events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
+                    part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
+                    part.trace.drafting)]
+                spans.append(Span(name, "generate", at(part.start), at(part.end)))
+                if i and part.start - parts[i - 1].end > 1e-3:
+                    spans.append(Span(name, "idle", at(parts[i - 1].end), at(part.start)))
+            last = parts[-1]
             if k in training:   # idle until its share was delivered, then the drafter's
-                promoted = max(training[k] - start, idle_from)
-                spans += [Span(f"rollout{k}", "idle", idle_from, promoted),
-                          Span(f"rollout{k}", "train", promoted, end - start)]
-            elif end - part.end > 1e-3:
-                spans.append(Span(f"rollout{k}", "idle", idle_from, end - start))
-        active = {k: 0 for k in done}
+                promoted = max(at(training[k]), at(last.end))
+                spans += [Span(name, "idle", at(last.end), promoted),
+                          Span(name, "train", promoted, end - start)]
+            elif end - last.end > 1e-3:
+                spans.append(Span(name, "idle", at(last.end), end - start))
+        active = {k: 0 for k in by_worker}
         for t, k, a, arm, tok, dr in sorted(events):
             active[k] = a
             trace.times.append(t - start)
@@ -187,7 +198,7 @@ class RolloutPool:
         if trace.times:
             trace.times[0] = 0.0
         self.last_trace, self.last_stats, self.last_spans = trace, stats, spans
-        self.last_parts = done
+        self.last_parts = [part for _, part in done]
 
     def _mean_length(self) -> float:
         return sum(self._lengths.values()) / len(self._lengths) if self._lengths else 1.0
@@ -304,6 +315,69 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
+
+
+class _Dispatch:
+    """The worker calls of one rollout: which requests (indices in the whole rollout) each
+    running call answers for, so a worker's death re-runs exactly those, and the tails that
+    change worker."""
+
+    def __init__(self, pool: RolloutPool, prompts: list[list[int]], params: SamplingParams,
+                 capture: Capture | None) -> None:
+        self.pool, self.prompts, self.params, self.capture = pool, prompts, params, capture
+        self.pending: dict[Any, tuple[int, list[int]]] = {}   # future -> (worker, indices)
+        self.migrated = 0
+
+    def submit(self, k: int, indices: list[int], peers_busy: int,
+               resume: list[MigratedRequest] = ()) -> None:
+        """Worker k generates `indices` from their prompts (and continues `resume`)."""
+        fresh = [i for i in indices if i not in {m.index for m in resume}]
+        future = self.pool.workers[k].generate.remote(
+            [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
+            call=self.pool._rollout, peers_busy=peers_busy,
+            yield_below=self.pool.cfg.consolidate_below if not resume else 0)
+        self.pending[future] = (k, list(indices))
+
+    def busy(self) -> set[int]:
+        return {k for k, _ in self.pending.values()}
+
+    def tell_peers(self) -> None:
+        """Every generating worker learns how many others still generate (a worker yields its
+        tail only while one does)."""
+        busy = self.busy()
+        for k in busy:
+            self.pool.workers[k].peers.remote(self.pool._rollout, len(busy) - 1)
+
+    def forward(self, donor: int, tail: list[MigratedRequest]) -> None:
+        """A yielded tail into the running call with the most requests left; if every call has
+        ended meanwhile, the donor finishes it itself (no further yield)."""
+        import ray
+        indices = [m.index for m in tail]
+        for k, owned in sorted(self.pending.values(), key=lambda e: -len(e[1])):
+            if k == donor:
+                continue
+            try:
+                taken = ray.get(self.pool.workers[k].accept.remote(tail, self.pool._rollout))
+            except ray.exceptions.RayActorError:
+                taken = False   # it died: its own call fails and is re-run
+            if taken:
+                owned += indices
+                self.migrated += len(tail)
+                return
+        self.submit(donor, indices, peers_busy=0, resume=tail)
+
+    def rerun(self, k: int, indices: list[int], err: Exception) -> None:
+        """Worker k died with `indices` unfinished: a replacement takes its place (with the
+        current weights) and they are re-run from their prompts (the same streams: the same
+        completions) split over every worker, the new one too."""
+        print(f"cluster: rollout worker {k} died ({type(err).__name__}); re-running its "
+              f"{len(indices)} requests on the others")
+        self.pool.reruns += len(indices)
+        self.pool._replace(k)
+        live = len(self.pool.workers)
+        for w in range(live):
+            if indices[w::live]:
+                self.submit(w, indices[w::live], peers_busy=live - 1)
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int

@@ -4,9 +4,16 @@ others); without it a local one is started for the run and shut down with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 
 from fastdraft.config.sections.cluster import ClusterConfig
+from fastdraft.errors import FastdraftError
+
+_reaper: int | None = None   # the watcher's pid (cluster/reaper.py)
 
 
 def connect(cfg: ClusterConfig, cpus: int) -> bool:
@@ -18,10 +25,30 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
     if ray.is_initialized():   # a test's, a bench's, or the user's own driver
         return False
     options = {} if cfg.address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
-    ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True, **options)
+    if not cfg.address and sys.platform.startswith("linux"):
+        # Started first: a run killed while Ray starts leaves nothing behind either.
+        global _reaper
+        _reaper = int(subprocess.run(
+            [sys.executable, "-m", "fastdraft.cluster.reaper", str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, check=True,
+            start_new_session=True).stdout)   # out of reach of group kills
+    try:
+        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True, **options)
+    except ConnectionError as err:
+        raise FastdraftError(
+            f"cluster.address={cfg.address}: could not join that Ray cluster ({err}). Check "
+            "that `ray status --address ...` answers there; a cluster started by `ray start` "
+            "with token authentication needs RAY_AUTH_MODE=token and its token "
+            "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this process's environment") from err
     return True
 
 
 def shutdown() -> None:
+    """Ray down, and its reaper with it (nothing is left to reap)."""
     import ray
+    global _reaper
     ray.shutdown()
+    if _reaper is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(_reaper, signal.SIGKILL)
+        _reaper = None

@@ -1,7 +1,14 @@
 """RolloutWorker: one rollout engine replica in a process of its own (a Ray actor; one device
 each on a GPU node). It generates the requests the driver's RolloutPool hands it and takes
 the policy's and drafter's weights from the object store between steps. It knows no RL: what
-it returns is a WorkerRollout, the engine's completions and records as they are."""
+it returns is a WorkerRollout, the engine's completions and records as they are.
+
+Tail consolidation (cluster.consolidate_below): a worker whose unfinished requests fall below
+the threshold while a peer still generates hands them back (WorkerRollout.migrated) and goes
+idle; the driver puts them into a generating peer's running call (`accept`, served on a thread
+of its own beside `generate`), which finishes them exactly as the donor would have
+(engine/migration.py). Requests keep their index in the whole rollout wherever they run; on an
+engine they are numbered -1 - index so they never collide with the call's own prompts."""
 
 from __future__ import annotations
 
@@ -11,11 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from fastdraft.databuffer import Sample
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.capture import HiddenRecord
+from fastdraft.engine.migration import Inbox, MigratedRequest
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
@@ -48,6 +57,10 @@ class WorkerRollout:
     stats: SpecStats = field(default_factory=SpecStats)
     start: float = 0.0
     end: float = 0.0
+    migrated: list[MigratedRequest] = field(default_factory=list)   # yielded, unfinished
+
+
+HANDOFF = "handoff"   # the concurrency group of accept / peers: beside a running generate
 
 
 class RolloutWorker:
@@ -55,17 +68,23 @@ class RolloutWorker:
         if threads:   # a worker of N threads uses N cores: Ray placed it for that many
             torch.set_num_threads(threads)
         self.engine = make_engine(device)
+        self._inbox: Inbox | None = None
+        self._call = 0        # the pool's number of the running generate
+        self._peers_busy = 0  # peers the pool last saw generating (yield only to one of them)
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 stream_ids: list[int], capture: Capture | None) -> WorkerRollout:
+                 stream_ids: list[int], capture: Capture | None, *,
+                 resume: list[MigratedRequest] = (), call: int = 0, peers_busy: int = 0,
+                 yield_below: int = 0) -> WorkerRollout:
         """The engine's generate on this share, request i as request stream_ids[i] of the whole
         rollout: its random stream (so the share it lands in changes nothing) and its index.
         With capture, each finished request becomes drafter samples here, while this worker's
         tail still decodes: what travels to the driver is one sample a request, not a record
-        a step."""
+        a step. resume: requests another worker yielded (global indices). yield_below > 0:
+        hand the tail back once fewer requests are left, if a peer still generates."""
         from fastdraft.trainer.collector import SampleCollector
         start = time.time()
         samples = _SampleList()
@@ -73,15 +92,41 @@ class RolloutWorker:
             samples, capture.budget_bytes, capture.row_bytes)
         if collector is not None:
             collector.start_step(capture.rl_step)
-        completions = self.engine.generate(
-            prompts, params, use_tqdm=False, stream_ids=stream_ids,
-            on_hidden=None if collector is None else _InRollout(collector, stream_ids),
-            on_finish=None if collector is None else (
-                lambda c: collector.on_finish(_global(c, stream_ids))))
-        return WorkerRollout([_global(c, stream_ids) for c in completions], samples,
+        self._inbox, self._call, self._peers_busy = Inbox(), call, peers_busy
+        index = _Index(stream_ids)
+        try:
+            completions = self.engine.generate(
+                prompts, params, use_tqdm=False, stream_ids=stream_ids,
+                on_hidden=None if collector is None else _InRollout(collector, index),
+                on_finish=None if collector is None else (
+                    lambda c: collector.on_finish(_global(c, index))),
+                resume=[_local(m) for m in resume], inbox=self._inbox,
+                yield_below=yield_below, should_yield=lambda: self._peers_busy > 0)
+        finally:
+            self._inbox = None
+        migrated = [dataclasses.replace(m, index=index(m.index))
+                    for m in self.engine.last_migrated]
+        if collector is not None:   # the receiver re-captures them whole from its prefill
+            collector.discard([m.index for m in migrated])
+        return WorkerRollout([_global(c, index) for c in completions], samples,
                              0 if collector is None else collector.dropped_tokens,
                              0 if collector is None else collector.peak_bytes,
-                             self.engine.last_trace, self.engine.last_stats, start, time.time())
+                             self.engine.last_trace, self.engine.last_stats, start, time.time(),
+                             migrated)
+
+    @ray.method(concurrency_group=HANDOFF)
+    def accept(self, migrated: list[MigratedRequest], call: int) -> bool:
+        """Another worker's tail into the running generate `call`; False (nothing taken) when
+        that call has ended (or not begun): the pool then sends them elsewhere."""
+        inbox = self._inbox
+        return (inbox is not None and self._call == call
+                and inbox.put([_local(m) for m in migrated]))
+
+    @ray.method(concurrency_group=HANDOFF)
+    def peers(self, call: int, busy: int) -> None:
+        """How many peers still generate, as the pool sees it after a worker's share ended."""
+        if self._call == call:
+            self._peers_busy = busy
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
         return self.engine.load_weights(named, version)
@@ -114,19 +159,34 @@ class _SampleList(list):
         self.append(sample)
 
 
+class _Index:
+    """An engine index -> the request's index in the whole rollout: this share's prompts are
+    0..n-1 (stream_ids[i]), requests from other workers -1 - index."""
+
+    def __init__(self, stream_ids: list[int]) -> None:
+        self.stream_ids = stream_ids
+
+    def __call__(self, i: int) -> int:
+        return self.stream_ids[i] if i >= 0 else -1 - i
+
+
+def _local(migrated: MigratedRequest) -> MigratedRequest:
+    return dataclasses.replace(migrated, index=-1 - migrated.index)
+
+
 class _InRollout:
     """The collector as the engine's sink, seeing each row under its index in the whole
-    rollout (the engine numbers this share from 0)."""
+    rollout."""
 
-    def __init__(self, collector, index: list[int]) -> None:
+    def __init__(self, collector, index: _Index) -> None:
         self.collector, self.index = collector, index
 
     def wants(self, request_indices: list[int], num_tokens: list[int]) -> list[bool]:
-        return self.collector.wants([self.index[i] for i in request_indices], num_tokens)
+        return self.collector.wants([self.index(i) for i in request_indices], num_tokens)
 
     def __call__(self, record: HiddenRecord) -> None:
-        self.collector(dataclasses.replace(record, request_index=self.index[record.request_index]))
+        self.collector(dataclasses.replace(record, request_index=self.index(record.request_index)))
 
 
-def _global(completion: Completion, index: list[int]) -> Completion:
-    return dataclasses.replace(completion, index=index[completion.index])
+def _global(completion: Completion, index: _Index) -> Completion:
+    return dataclasses.replace(completion, index=index(completion.index))

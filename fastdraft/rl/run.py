@@ -170,7 +170,8 @@ class Run:
         return {**spans_metrics(spans, self.engine.worker_names),
                 "cluster/push_s": self.engine.last_push_s,
                 "cluster/worker_restarts": float(self.engine.restarts),
-                "cluster/rerun_requests": float(self.engine.reruns)}
+                "cluster/rerun_requests": float(self.engine.reruns),
+                "cluster/migrated_requests": float(self.engine.last_migrated)}
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()

@@ -96,6 +96,14 @@ class SampleCollector:
         self._dropped[index] += n
         self.dropped_tokens += n
 
+    def discard(self, request_indices: list[int]) -> None:
+        """Forgets requests that will not finish here (migrated to another engine, which
+        captures them whole again)."""
+        with self._lock:
+            for index in request_indices:
+                self.held_bytes -= sum(r.nbytes for r in self._records.pop(index, []))
+                self.dropped_tokens -= self._dropped.pop(index, 0)   # counted where it ends
+
     # ------------------------------------------------------------------------- finished
     def on_finish(self, completion: Completion) -> None:
         with self._lock:

@@ -22,12 +22,14 @@ def test_cluster_bench_reports_costs_accept_and_simulation(char_policy, char_dra
                       "  max_batch_size: 16\n  spec:\n    method: eagle\n    depth: 3\n"
                       "    topk: 2\n    tokens_to_verify: 4\nalgorithm:\n  num_steps: 3\n"
                       "data:\n  task_pool: 4\n")
-    out = run_cluster_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "c.json")
+    out = run_cluster_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "c.json",
+                            consolidate_below=9)   # > a worker's 8 requests: tails always move
     for key in ("exposed_drafter_cost", "local_exposed_cost", "adaptive_vs_stale",
                 "adaptive_vs_today", "sim_error"):
         assert out[key] > 0, key
     assert out["rollout_workers"] == 2 and set(out["step_s"]) == {
-        "local_off", "local_on", "ray_off", "ray_on"}
+        "local_off", "local_on", "ray_off", "ray_on", "ray_consolidate"}
+    assert out["consolidation_rollout_ratio"] > 0 and out["migrated_per_step"] > 0
     assert out["rewards"]["ray_off"] == out["rewards"]["local_off"]
     for sim in out["simulation"].values():
         assert sim["simulated_rollout_s"] > 0 and sim["measured_rollout_s"] > 0

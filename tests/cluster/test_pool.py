@@ -1,6 +1,7 @@
 """RolloutPool on a local Ray cluster: placement never changes a completion (1 or 2 workers,
-greedy and sampled, speculative), pushed weights reach every worker, and a worker killed
-mid-rollout has its share re-run to the same completions and is replaced."""
+greedy and sampled, speculative), nor does tail consolidation (a worker's tail moved into a
+generating worker), pushed weights reach every worker, and a worker killed mid-rollout has its
+share (and the tails it took) re-run to the same completions and is replaced."""
 
 from __future__ import annotations
 
@@ -76,6 +77,44 @@ def test_placement_never_changes_a_completion(local_ray, tiny_checkpoint, random
             pool.close()
 
 
+@pytest.mark.parametrize("temperature,below,stops", [
+    (0.0, 13, ()), (1.0, 13, ()), (1.0, 4, tuple(range(3, 9)))])
+def test_tail_consolidation_never_changes_a_completion(local_ray, tiny_checkpoint,
+                                                       random_drafter, temperature, below,
+                                                       stops):
+    """A worker left with fewer than `below` requests while the other generates hands them
+    over and the completions are the local engine's, token for token; so are the drafter
+    samples, which the receiver captures whole. below=13 > a worker's share of 12: everything
+    after its first step, queued requests too (greedy answers here all run to the cap); 4
+    with stop tokens: a long-tailed length mix, the real case."""
+    from fastdraft.trainer.collector import SampleCollector
+    path, _ = tiny_checkpoint
+    prompts = _prompts(24)
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=7,
+                            stop_token_ids=stops)
+    local = SampleCollector(_Samples())
+    local.start_step(0)
+    want = _factory(path, random_drafter)("cpu").generate(
+        prompts, params, use_tqdm=False, on_hidden=local, on_finish=local.on_finish)
+    pool = _pool(path, random_drafter, 2, "concentrate", consolidate_below=below)
+    moved = 0
+    try:
+        for _ in range(3):
+            remote = SampleCollector(_Samples())
+            remote.start_step(0)
+            _same(pool.generate(prompts, params, on_hidden=remote), want)
+            moved += pool.last_migrated
+            assert sorted(s.request_index for s in remote.buffer) == sorted(
+                s.request_index for s in local.buffer)
+            mine = sorted(remote.buffer, key=lambda s: s.request_index)
+            for a, b in zip(mine, sorted(local.buffer, key=lambda s: s.request_index)):
+                assert torch.equal(a.token_ids, b.token_ids)
+                assert torch.equal(a.positions, b.positions)
+    finally:
+        pool.close()
+    assert moved > 0, "no tail moved: the test exercised nothing"
+
+
 def test_pushed_weights_reach_every_worker(local_ray, tiny_checkpoint, random_drafter):
     from fastdraft.models.loading import iter_safetensors
     path, _ = tiny_checkpoint
@@ -98,12 +137,15 @@ def test_pushed_weights_reach_every_worker(local_ray, tiny_checkpoint, random_dr
         pool.close()
 
 
+@pytest.mark.parametrize("below", [0, 33])
 def test_a_worker_killed_mid_rollout_is_rerun_and_replaced(local_ray, tiny_checkpoint,
-                                                           random_drafter):
+                                                           random_drafter, below):
+    """below=33 (> a share of 32): worker 0 hands its share to worker 1 after one step, so the
+    killed worker dies holding requests that were not dispatched to it."""
     path, _ = tiny_checkpoint
     prompts = _prompts(64)
     params = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11, ignore_eos=True)
-    pool = _pool(path, random_drafter, 2)
+    pool = _pool(path, random_drafter, 2, consolidate_below=below)
     try:
         reference = pool.generate(prompts, params)
         victim = pool.worker_pids()[1]

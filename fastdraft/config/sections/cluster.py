@@ -24,7 +24,12 @@ class ClusterConfig:
     requests re-run on the others either way. max_actor_restarts: a run whose actor rank died
     resumes from its last checkpoint by itself this many times (either backend).
     push_bucket_mb: the policy's weights reach the workers in object-store buckets of this size,
-    streamed from the actor's gather (the driver holds one bucket at a time)."""
+    streamed from the actor's gather (the driver holds one bucket at a time).
+    consolidate_below: tail consolidation (ray, 2+ workers; 0: off): a worker left with fewer
+    unfinished requests than this, while another still generates, moves them to that one (a
+    re-prefill there; the same random streams) and goes idle, free to train the drafter.
+    Exact for greedy requests; sampled ones keep their law, and are token-identical too when
+    no tuner or length budget picks the step kind per batch (engine/migration.py)."""
 
     backend: str = "local"
     rollout_workers: int = 1
@@ -35,6 +40,7 @@ class ClusterConfig:
     max_worker_restarts: int = 3
     max_actor_restarts: int = 2
     push_bucket_mb: float = 512.0
+    consolidate_below: int = 0
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
@@ -48,5 +54,10 @@ class ClusterConfig:
         _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
                  f"{self.dispatch!r}")
         _require(self.push_bucket_mb > 0, "cluster.push_bucket_mb must be > 0")
+        _require(self.consolidate_below >= 0, "cluster.consolidate_below must be >= 0 (0: off)")
+        _require(self.consolidate_below == 0 or self.rollout_workers >= 2,
+                 f"cluster.consolidate_below={self.consolidate_below} moves a worker's tail to "
+                 "another worker: set cluster.backend=ray and cluster.rollout_workers >= 2, or "
+                 "cluster.consolidate_below=0")
         _require(self.max_worker_restarts >= 0 and self.max_actor_restarts >= 0,
                  "cluster.max_worker_restarts and max_actor_restarts must be >= 0")
