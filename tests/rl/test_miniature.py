@@ -1,8 +1,8 @@
 """The miniature of the real recipe end to end (recipes/tiny-qwen3-eagle3.yaml): a Qwen3 policy
 (QK-norm, head_dim 64), an EAGLE-3 drafter trained online with reward-weighted KD whose byte and
 token caps engage, bf16 compute on fp32 masters sharded over 2 actor ranks, rollouts on 2 Ray
-rollout workers (cluster.backend=ray), the lossless gate every step, and an export SGLang and
-vLLM load. Slow: it bootstraps its policy once (cached)."""
+rollout workers (cluster.backend=ray) with tail consolidation, the lossless gate every step, and
+an export SGLang and vLLM load. Slow: it bootstraps its policy once (cached)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ STEPS = 4   # CI's share of the recipe's 12 steps: every part of the path runs
 def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     cfg = load_recipe(RECIPE, [f"algorithm.num_steps={STEPS}", "checkpoint.every=2",
                                "logging.wandb.mode=disabled", "cluster.backend=ray",
-                               "cluster.rollout_workers=2"])
+                               "cluster.rollout_workers=2", "cluster.consolidate_below=16"])
     assert cfg.actor.num_ranks == 2 and cfg.actor.compute_dtype == "bfloat16"
     run = run_recipe(cfg, tmp_path / "run")
     policy = json.loads((run.policy_dir / "config.json").read_text())
@@ -47,6 +47,8 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     for row in rows:   # both workers generated every step; what they did is on the timeline
         assert row["cluster/rollout0/generate_s"] > 0 and row["cluster/rollout1/generate_s"] > 0
         assert 0 <= row["cluster/idle_fraction"] < 1 and row["cluster/push_s"] > 0
+    # tails moved to the worker still generating (the gate above held with them)
+    assert sum(r["cluster/migrated_requests"] for r in rows) > 0
     assert sorted(read_timeline(tmp_path / "run")) == list(range(STEPS))
     check_export(tmp_path / "run" / "export", "all", "eagle3")   # raises on any problem
     assert (tmp_path / "run" / "memory_plan.json").is_file()
