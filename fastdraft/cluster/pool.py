@@ -71,6 +71,7 @@ class RolloutPool:
         self.last_push_s = 0.0
         self.reruns = 0   # requests re-run after their worker died (this run)
         self._rollout = 0   # numbers the rollouts: a worker ignores a stale accept / peers
+        self.calls: _Dispatch | None = None   # the latest rollout's worker calls
         # Called when a worker's share is done while others still generate; True when that
         # promoted the worker to drafter training (the online drafter's on_worker_idle).
         self.idle_hook: Callable[[], bool] | None = None
@@ -122,7 +123,7 @@ class RolloutPool:
         self._rollout += 1
         capture = None if on_hidden is None else Capture(
             on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
-        call = _Dispatch(self, prompt_token_ids, params, capture)
+        self.calls = call = _Dispatch(self, prompt_token_ids, params, capture)
         for k, share in enumerate(shares):
             if share:
                 call.submit(k, share, peers_busy=sum(map(bool, shares)) - 1)

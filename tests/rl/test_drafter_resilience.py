@@ -51,7 +51,7 @@ def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_draf
             version = run.engine.drafter_version
             train_step(run, step)
             if cluster:   # every Ray rollout worker served the one published version
-                served.append(({c.drafter_version for part in run.engine.last_parts.values()
+                served.append(({c.drafter_version for part in run.engine.last_parts
                                 for c in part.completions}, version))
     finally:
         run.finish()
