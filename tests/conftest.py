@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (scripts/test.sh: two workers on two cores) each worker computes on
+    one thread: tiny models gain little from a second intra-op thread, and two workers with two
+    threads each would thrash."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def make_tiny_checkpoint(path, model_type: str = "qwen2", vocab_size: int = 64, seed: int = 0,

@@ -11,7 +11,7 @@ import pytest
 from fastdraft.bench.cluster_bench import run_cluster_bench, summary_lines
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
 
 
 def test_cluster_bench_reports_costs_accept_and_simulation(char_policy, char_drafter, tmp_path):

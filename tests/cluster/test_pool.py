@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 
 SPEC = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
 GROUP = 4
+pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 
 
 @pytest.fixture(scope="module")
@@ -137,20 +138,21 @@ def test_pushed_weights_reach_every_worker(local_ray, tiny_checkpoint, random_dr
         pool.close()
 
 
-@pytest.mark.parametrize("below", [0, 33])
+@pytest.mark.parametrize("below", [0, 17])
 def test_a_worker_killed_mid_rollout_is_rerun_and_replaced(local_ray, tiny_checkpoint,
                                                            random_drafter, below):
-    """below=33 (> a share of 32): one worker hands its share to the other after one step, and
-    that receiver is killed holding requests that were not dispatched to it."""
+    """below=17: 9 groups split 5/4, so only the worker with 16 requests (< 17) hands its share
+    to the other after one step (equal shares could both yield at once and each finish its
+    own), and that receiver is killed holding requests that were not dispatched to it."""
     path, _ = tiny_checkpoint
-    prompts = _prompts(64)
+    prompts = _prompts(36 if below else 64)
     params = SamplingParams(temperature=1.0, max_new_tokens=120, seed=11, ignore_eos=True)
     pool = _pool(path, random_drafter, 2, consolidate_below=below)
     try:
         reference = pool.generate(prompts, params)
         pids = pool.worker_pids()
         if below:   # the receiver: the worker whose running call holds both shares
-            threading.Thread(target=_kill_when, args=(pool, pids, lambda owned: len(owned) > 32)
+            threading.Thread(target=_kill_when, args=(pool, pids, lambda owned: len(owned) > 20)
                              ).start()
         else:
             threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL)).start()
@@ -158,7 +160,7 @@ def test_a_worker_killed_mid_rollout_is_rerun_and_replaced(local_ray, tiny_check
         got = pool.generate(prompts, params)
         assert time.perf_counter() - start > 0.3 or below, "the rollout ended before the kill"
         _same(got, reference)
-        assert pool.restarts == 1 and pool.reruns > (32 if below else 0)
+        assert pool.restarts == 1 and pool.reruns > (20 if below else 0)
         new = pool.worker_pids()
         assert len(set(new) - set(pids)) == 1 and len(new) == 2
         _same(pool.generate(prompts, params), reference)   # the replacement serves too

@@ -19,7 +19,8 @@ import pytest
 from fastdraft.config.sections import ClusterConfig
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc"),
+              pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
 
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 

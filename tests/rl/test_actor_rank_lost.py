@@ -16,7 +16,7 @@ from fastdraft.config import load_recipe
 from fastdraft.rl.run import run_recipe
 from fastdraft.utils.digest import tensor_digest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
 STEPS = 4
 
 

@@ -25,6 +25,8 @@ from fastdraft.utils.digest import tensor_digest
 from tests.rl.online_helpers import drive_step, eagle_engine
 from tests.rl.test_loop import _cfg
 
+pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time (its [ray] cases)
+
 ONLINE = ["rollout.spec.method=eagle", "drafter.online.enabled=true",
           "drafter.online.token_budget=64", "drafter.online.tail_fraction=1.0",
           "drafter.export=false"]

@@ -51,8 +51,9 @@ def test_a_resumed_run_continues_exactly_as_an_unbroken_one(policy, tmp_path, sh
     expected = _weights(unbroken) if not sharding else None
     first = Run(_cfg(policy, *sharding, "algorithm.num_steps=2"), tmp_path / "broken")
     train(first)
+    taken = first.actor.step   # optimizer steps (a step whose batch has no gradient takes none)
     resumed = Run(_cfg(policy, *sharding), tmp_path / "broken", resume=True)
-    assert resumed.start_step == 2 and resumed.actor.step == 4   # 2 updates a step
+    assert resumed.start_step == 2 and resumed.actor.step == taken > 0
     train(resumed)
     want, got = read_metrics(tmp_path / "unbroken"), read_metrics(tmp_path / "broken")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
