@@ -32,7 +32,8 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import OFF, arm_name
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.rl.prompts import PromptSource
-from fastdraft.rl.run import DTYPES, resolve_drafter, resolve_policy, rollout_seq_len
+from fastdraft.rl.run import DTYPES
+from fastdraft.rl.run_inputs import resolve_drafter, resolve_policy, rollout_seq_len
 
 
 def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,

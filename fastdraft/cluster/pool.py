@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fastdraft.cluster.dispatch import assign_groups
+from fastdraft.cluster.rollout_calls import RolloutCalls
 from fastdraft.cluster.rollout_worker import (
     HANDOFF,
     Capture,
@@ -35,7 +36,6 @@ from fastdraft.cluster.rollout_worker import (
 from fastdraft.cluster.timeline import Span
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
-from fastdraft.engine.migration import MigratedRequest
 from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
@@ -70,8 +70,8 @@ class RolloutPool:
         self.last_migrated = 0   # requests that changed worker in the last rollout
         self.last_push_s = 0.0
         self.reruns = 0   # requests re-run after their worker died (this run)
-        self._rollout = 0   # numbers the rollouts: a worker ignores a stale accept / peers
-        self.calls: _Dispatch | None = None   # the latest rollout's worker calls
+        self.rollout_number = 0   # numbers the rollouts: a worker ignores a stale accept / peers
+        self.calls: RolloutCalls | None = None   # the latest rollout's worker calls
         # Called when a worker's share is done while others still generate; True when that
         # promoted the worker to drafter training (the online drafter's on_worker_idle).
         self.idle_hook: Callable[[], bool] | None = None
@@ -120,10 +120,10 @@ class RolloutPool:
         owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
         shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
                   for k in range(len(self.workers))]
-        self._rollout += 1
+        self.rollout_number += 1
         capture = None if on_hidden is None else Capture(
             on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
-        self.calls = call = _Dispatch(self, prompt_token_ids, params, capture)
+        self.calls = call = RolloutCalls(self, prompt_token_ids, params, capture)
         for k, share in enumerate(shares):
             if share:
                 call.submit(k, share, peers_busy=sum(map(bool, shares)) - 1)
@@ -282,10 +282,10 @@ class RolloutPool:
                 if k not in replaced:
                     print(f"cluster: rollout worker {k} died ({type(err).__name__}); "
                           "replacing it")
-                    self._replace(k)
+                    self.replace_worker(k)
                     replaced.add(k)
 
-    def _replace(self, k: int) -> None:
+    def replace_worker(self, k: int) -> None:
         import ray
         if self.restarts >= self.cfg.max_worker_restarts:
             raise RuntimeError(f"rollout worker {k} died and cluster.max_worker_restarts="
@@ -316,69 +316,6 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
-
-
-class _Dispatch:
-    """The worker calls of one rollout: which requests (indices in the whole rollout) each
-    running call answers for, so a worker's death re-runs exactly those, and the tails that
-    change worker."""
-
-    def __init__(self, pool: RolloutPool, prompts: list[list[int]], params: SamplingParams,
-                 capture: Capture | None) -> None:
-        self.pool, self.prompts, self.params, self.capture = pool, prompts, params, capture
-        self.pending: dict[Any, tuple[int, list[int]]] = {}   # future -> (worker, indices)
-        self.migrated = 0
-
-    def submit(self, k: int, indices: list[int], peers_busy: int,
-               resume: list[MigratedRequest] = ()) -> None:
-        """Worker k generates `indices` from their prompts (and continues `resume`)."""
-        fresh = [i for i in indices if i not in {m.index for m in resume}]
-        future = self.pool.workers[k].generate.remote(
-            [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
-            call=self.pool._rollout, peers_busy=peers_busy,
-            yield_below=self.pool.cfg.consolidate_below if not resume else 0)
-        self.pending[future] = (k, list(indices))
-
-    def busy(self) -> set[int]:
-        return {k for k, _ in self.pending.values()}
-
-    def tell_peers(self) -> None:
-        """Every generating worker learns how many others still generate (a worker yields its
-        tail only while one does)."""
-        busy = self.busy()
-        for k in busy:
-            self.pool.workers[k].peers.remote(self.pool._rollout, len(busy) - 1)
-
-    def forward(self, donor: int, tail: list[MigratedRequest]) -> None:
-        """A yielded tail into the running call with the most requests left; if every call has
-        ended meanwhile, the donor finishes it itself (no further yield)."""
-        import ray
-        indices = [m.index for m in tail]
-        for k, owned in sorted(self.pending.values(), key=lambda e: -len(e[1])):
-            if k == donor:
-                continue
-            try:
-                taken = ray.get(self.pool.workers[k].accept.remote(tail, self.pool._rollout))
-            except ray.exceptions.RayActorError:
-                taken = False   # it died: its own call fails and is re-run
-            if taken:
-                owned += indices
-                self.migrated += len(tail)
-                return
-        self.submit(donor, indices, peers_busy=0, resume=tail)
-
-    def rerun(self, k: int, indices: list[int], err: Exception) -> None:
-        """Worker k died with `indices` unfinished: a replacement takes its place (with the
-        current weights) and they are re-run from their prompts (the same streams: the same
-        completions) split over every worker, the new one too."""
-        print(f"cluster: rollout worker {k} died ({type(err).__name__}); re-running its "
-              f"{len(indices)} requests on the others")
-        self.pool.reruns += len(indices)
-        self.pool._replace(k)
-        live = len(self.pool.workers)
-        for w in range(live):
-            if indices[w::live]:
-                self.submit(w, indices[w::live], peers_busy=live - 1)
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int

@@ -18,6 +18,7 @@ from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.models import ModelConfig
 from fastdraft.rl.memory_plan import ActorPlan, RunPlan, check_run_plan
 from fastdraft.rl.online_drafter import trainer_aux_layers
+from fastdraft.rl.run_inputs import check_paths, rollout_seq_len
 from fastdraft.utils.device_memory import GB, Capacity, host_memory
 
 #: A CUDA recipe planned where no GPU is visible: a node of 80 GB devices (A100 / H100).
@@ -26,7 +27,6 @@ DEFAULT_GPU_GB = 80.0
 
 def plan_recipe(cfg: RunConfig, cache_dir: Path | None = None) -> RunPlan:
     """The run's memory plan from the recipe and the files its paths name (checked first)."""
-    from fastdraft.rl.run import check_paths, rollout_seq_len
     check_paths(cfg)
     drafter_dir = Path(cfg.drafter.path).expanduser() if cfg.drafter.path else None
     return plan_run(cfg, _policy_dir(cfg, cache_dir), drafter_dir, rollout_seq_len(cfg))

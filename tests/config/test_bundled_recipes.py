@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fastdraft.config import load_recipe
-from fastdraft.rl.run import check_paths
+from fastdraft.rl.run_inputs import check_paths
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 

@@ -1,0 +1,77 @@
+"""The worker calls of one rollout on a RolloutPool: which requests (indices in the whole
+rollout) each running call answers for. That is what lets a dead worker's share be re-run
+exactly, and a yielded tail move into a peer's running call (cluster.consolidate_below)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastdraft.cluster.rollout_worker import Capture
+from fastdraft.engine import SamplingParams
+from fastdraft.engine.migration import MigratedRequest
+
+if TYPE_CHECKING:
+    from fastdraft.cluster.pool import RolloutPool
+
+
+class RolloutCalls:
+    """The worker calls of one rollout: which requests (indices in the whole rollout) each
+    running call answers for, so a worker's death re-runs exactly those, and the tails that
+    change worker."""
+
+    def __init__(self, pool: RolloutPool, prompts: list[list[int]], params: SamplingParams,
+                 capture: Capture | None) -> None:
+        self.pool, self.prompts, self.params, self.capture = pool, prompts, params, capture
+        self.pending: dict[Any, tuple[int, list[int]]] = {}   # future -> (worker, indices)
+        self.migrated = 0
+
+    def submit(self, k: int, indices: list[int], peers_busy: int,
+               resume: list[MigratedRequest] = ()) -> None:
+        """Worker k generates `indices` from their prompts (and continues `resume`)."""
+        fresh = [i for i in indices if i not in {m.index for m in resume}]
+        future = self.pool.workers[k].generate.remote(
+            [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
+            call=self.pool.rollout_number, peers_busy=peers_busy,
+            yield_below=self.pool.cfg.consolidate_below if not resume else 0)
+        self.pending[future] = (k, list(indices))
+
+    def busy(self) -> set[int]:
+        return {k for k, _ in self.pending.values()}
+
+    def tell_peers(self) -> None:
+        """Every generating worker learns how many others still generate (a worker yields its
+        tail only while one does)."""
+        busy = self.busy()
+        for k in busy:
+            self.pool.workers[k].peers.remote(self.pool.rollout_number, len(busy) - 1)
+
+    def forward(self, donor: int, tail: list[MigratedRequest]) -> None:
+        """A yielded tail into the running call with the most requests left; if every call has
+        ended meanwhile, the donor finishes it itself (no further yield)."""
+        import ray
+        indices = [m.index for m in tail]
+        for k, owned in sorted(self.pending.values(), key=lambda e: -len(e[1])):
+            if k == donor:
+                continue
+            try:
+                taken = ray.get(self.pool.workers[k].accept.remote(tail, self.pool.rollout_number))
+            except ray.exceptions.RayActorError:
+                taken = False   # it died: its own call fails and is re-run
+            if taken:
+                owned += indices
+                self.migrated += len(tail)
+                return
+        self.submit(donor, indices, peers_busy=0, resume=tail)
+
+    def rerun(self, k: int, indices: list[int], err: Exception) -> None:
+        """Worker k died with `indices` unfinished: a replacement takes its place (with the
+        current weights) and they are re-run from their prompts (the same streams: the same
+        completions) split over every worker, the new one too."""
+        print(f"cluster: rollout worker {k} died ({type(err).__name__}); re-running its "
+              f"{len(indices)} requests on the others")
+        self.pool.reruns += len(indices)
+        self.pool.replace_worker(k)
+        live = len(self.pool.workers)
+        for w in range(live):
+            if indices[w::live]:
+                self.submit(w, indices[w::live], peers_busy=live - 1)

@@ -1,0 +1,99 @@
+"""What a run is built from, checked and resolved before any work: the recipe's local paths and
+devices, the policy (the bootstrap one when none is given), the drafter (one warmed up for the
+bootstrap policy), and the sequence length rollouts need."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from fastdraft.config import RunConfig
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Every local path the recipe names, checked before any work: one error lists them all."""
+    missing = []
+    for key, value, want in (("model.path", cfg.model.path, "config.json"),
+                             ("data.path", cfg.data.path, None),
+                             ("drafter.path", cfg.drafter.path, None)):
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if not path.exists() or (want is not None and not (path / want).is_file()):
+            missing.append(f"{key}: {path}" + (f" (no {want})" if path.exists() else ""))
+    if missing:
+        raise FileNotFoundError("the recipe names paths that do not exist: " + "; ".join(
+            missing) + " (edit the recipe or override, e.g. model.path=/local/checkpoint)")
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """A CUDA device the recipe names must exist in this torch build, checked before any work
+    (torch's own error is an assertion deep inside the first allocation)."""
+    for key, device in (("model.device", cfg.model.device),
+                        ("drafter.online.device", cfg.drafter.online.device)):
+        if device is None or torch.device(device).type != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            build = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda
+                     is None else f"this torch ({torch.__version__}) sees no CUDA device")
+            raise ValueError(f"{key}={device}, but {build}: replace it with a CUDA build "
+                             "(.venv/bin/pip uninstall -y torch && FASTDRAFT_TORCH=torch "
+                             "FASTDRAFT_TORCH_INDEX=https://download.pytorch.org/whl/cu126 bash "
+                             f"scripts/setup.sh; README: Run on a GPU) or set {key}=cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={device}, but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
+    """The recipe's checkpoint directory, or the bootstrap policy of model.bootstrap (trained
+    once, cached)."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path {path}: no config.json there; point it at a "
+                                    "local HF checkpoint directory")
+        return path
+    from fastdraft.bootstrap.run import run_bootstrap
+    return run_bootstrap(cache_dir, spec=cfg.model.bootstrap).policy_dir
+
+
+def resolve_drafter(cfg: RunConfig, policy_dir: Path) -> Path | None:
+    """The drafter of an EAGLE recipe: drafter.path, or for the bootstrap policy one warmed up
+    with the recipe's settings (cached beside the policy)."""
+    if not cfg.rollout.spec.uses_drafter:
+        return None
+    if cfg.drafter.path is not None:
+        path = Path(cfg.drafter.path).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"drafter.path {path} not found: train one with `fastdraft "
+                                    f"drafter warmup --policy {policy_dir} --out {path}`")
+        return path
+    if cfg.model.path is not None:
+        raise ValueError("rollout.spec.method=eagle needs drafter.path for a policy of your own: "
+                         f"train one with `fastdraft drafter warmup --policy {policy_dir}`, or "
+                         "use rollout.spec.method=suffix (no training needed)")
+    from fastdraft.demo import ensure_drafter
+    from fastdraft.drafter.warmup import WarmupConfig
+    warmup = WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
+                          num_rollouts=cfg.drafter.warmup_rollouts)
+    return ensure_drafter(policy_dir, None, warmup=warmup)
+
+
+def rollout_seq_len(cfg: RunConfig) -> int:
+    """rollout.max_seq_len, or the longest prompt a task draws (over many samples) + the
+    answer budget."""
+    if cfg.rollout.max_seq_len:
+        return cfg.rollout.max_seq_len
+    from fastdraft.rl.tasks import get_task
+    if cfg.data.task is None:
+        raise ValueError("rollout.max_seq_len must be set for prompt files")
+    task = get_task(cfg.data.task, **cfg.data.task_options)
+    longest = getattr(task, "max_prompt_chars", None)
+    if longest is None:
+        rng = random.Random(0)
+        longest = 2 * max(len(task.sample(rng).prompt) for _ in range(4096))
+    return longest + cfg.rollout.max_new_tokens + 8
