@@ -17,7 +17,7 @@ from fastdraft.engine.spec.probs import processed_probs
 from fastdraft.models import load_model
 from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of, exact_sequence_probs
 
-VOCAB, LENGTH, NUM_SAMPLES = 8, 3, 20_000
+VOCAB, LENGTH, NUM_SAMPLES = 8, 3, 10_000
 # Request i draws from seed + i, so nearby seeds share most of their streams (seeds 11..14 are
 # one sample, shifted). 100_000 is unrelated to the engine's other seeded tests.
 SEED = 100_000
