@@ -40,8 +40,9 @@ def test_rollout_bench_measures_budgets_on_and_off(char_policy, char_drafter, tm
     out = run_rollout_bench(recipe, [], tmp_path / "runs", None, rounds=1)
     assert set(out["contenders"]) >= {"adaptive", "adaptive_no_budget", "eagle/3/2/4+budget"}
     assert out["budget_on_vs_off"] > 0 and out["static_budget_on_vs_off"] > 0
-    # Round 0 is the history: the budgeted contenders draft on fewer rows than they run.
-    assert out["contenders"]["adaptive_no_budget"]["drafting_row_fraction"] > 0
+    # The drafting share is measured (a static tree drafts on its rows; the tuner's contenders
+    # pick arms by their timings, and on a loaded machine plain decoding may win every step).
+    assert 0 < out["contenders"]["eagle/3/2/4"]["drafting_row_fraction"] <= 1
     assert any("budgets on / off" in line for line in summary_lines(out))
     assert out["row_costs"]["batch"] == 16 and out["row_costs"]["row_step_ms"] > 0
 
