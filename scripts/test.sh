@@ -11,4 +11,4 @@ if [ $# -eq 0 ]; then
     "$VENV/bin/fastdraft" bootstrap
     "$VENV/bin/fastdraft" bootstrap --spec tiny-qwen3
 fi
-"$VENV/bin/python" -m pytest -q -n "${FASTDRAFT_TEST_WORKERS:-2}" --dist loadgroup "$@"
+"$VENV/bin/python" -m pytest -q -n "${FASTDRAFT_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"

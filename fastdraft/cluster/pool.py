@@ -43,6 +43,9 @@ from fastdraft.engine.trace import RolloutTrace
 from fastdraft.trainer.collector import SampleCollector
 
 OnFinish = Callable[[Completion], None]
+#: Of a worker's GPU, what the drafter trainer's actor claims (Ray's bookkeeping: both
+#: processes see the whole device).
+TRAINER_GPU_SHARE = 0.1
 
 
 class RolloutPool:
@@ -77,13 +80,24 @@ class RolloutPool:
         self.idle_hook: Callable[[], bool] | None = None
 
     def _start(self, index: int) -> Any:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         cls = self._remote_class().options(
-            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.group, placement_group_bundle_index=index),
+            num_cpus=self.bundle["CPU"], **self._in_bundle(index, 1 - TRAINER_GPU_SHARE),
             name=None, max_restarts=0)
         return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
+
+    def trainer_options(self) -> dict[str, Any]:
+        """Where the online drafter's trainer actor goes (cluster/trainer_actor.py): the last
+        worker's bundle, no cores of its own. That worker's device is the trainer's (on a GPU
+        node its GPU, shared with the worker), and the last worker is the first to go idle
+        under `concentrate` dispatch (it holds the shortest groups): the trainer is promoted
+        when a worker's share is done, and trains beside the tail of the others."""
+        return {"num_cpus": 0, **self._in_bundle(len(self.workers) - 1, TRAINER_GPU_SHARE)}
+
+    def _in_bundle(self, index: int, gpu_share: float) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return {"num_gpus": self.bundle.get("GPU", 0) * gpu_share,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=index)}
 
     def _remote_class(self) -> Any:
         import ray

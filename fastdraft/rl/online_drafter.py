@@ -1,8 +1,9 @@
 """OnlineDrafter: the RL loop's side of online drafter training. It turns the rollout's hidden
-states into DataBuffer samples as requests finish, lets the SpotWorker (a process of its own,
-trainer/worker.py) train while the step leaves compute idle (the rollout's long tail, the actor
-update), and publishes the new drafter into the engine at the step boundary, checksummed and
-versioned, after a health check (rl/drafter_health.py).
+states into DataBuffer samples as requests finish, lets the trainer (a process of its own:
+trainer/worker.py, or with the Ray backend a Ray actor, cluster/trainer_actor.py) train while
+the step leaves compute idle (the rollout's long tail, the actor update), and publishes the new
+drafter into the engine at the step boundary, checksummed and versioned, after a health check
+(rl/drafter_health.py).
 
 The run survives its drafter. A worker that dies, hangs past drafter.online.reply_timeout_s,
 raises, or publishes a non-finite drafter is logged (one line, drafter/worker_failures), killed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +29,28 @@ from fastdraft.engine import Completion, RolloutEngine
 from fastdraft.rl.drafter_health import DrafterHealth, published_problem
 from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
 from fastdraft.trainer.collector import SampleCollector
+from fastdraft.trainer.service import TrainerHandle, TrainerSetup, WorkerFailure
 from fastdraft.trainer.spot import SpotConfig, SpotStats
-from fastdraft.trainer.worker import SpotWorker, WorkerFailure, WorkerSetup, pickle_state
+from fastdraft.trainer.worker import SpotWorker
 
 
 class OnlineDrafter:
     def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0,
-                 resume: dict | None = None) -> None:
+                 resume: dict | None = None, start_trainer: StartTrainer | None = None,
+                 device: str | None = None) -> None:
         """resume: the checkpoint's drafter state (`state_dict`): the engine's drafter, the
-        trainer's state, the health."""
+        trainer's state, the health. start_trainer: the trainer's process (default: a
+        SpotWorker beside this one; the Ray backend's RayTrainer on a rollout worker's
+        bundle); device: where it trains unless drafter.online.device says (default: the
+        engine's)."""
         drafter = engine.model_drafter
         if drafter is None:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
                              "rollout.spec.method=eagle")
         self.cfg, self.seed, self.engine = cfg, seed, engine
         self.loss = online_loss(cfg.loss, drafter.kind)
-        self.device = cfg.device or str(next(engine.model.parameters()).device)
+        self.start_trainer = start_trainer or _spot_worker
+        self.device = cfg.device or device or str(next(engine.model.parameters()).device)
         self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, token_budget=cfg.token_budget,
                                device=self.device)   # checked here: a bad device fails now
         self.spec = engine.spec   # what a re-probe switches back on after a fallback
@@ -52,7 +60,7 @@ class OnlineDrafter:
         self.version = load_engine_drafter(engine, resume, self.version)
         self._trainer_state: dict | None = resume.get("trainer")   # what a restart continues
         self.health.load_state_dict(resume.get("health"), engine)
-        self.worker: SpotWorker | None = self._start_worker(self._trainer_state)
+        self.worker: TrainerHandle | None = self._start_worker(self._trainer_state)
         hidden = engine.config.hidden_size * 2 * (1 + len(drafter.aux_layers))  # bf16 rows
         self.collector = SampleCollector(self, int(cfg.inflight_mb * 2**20), hidden + 16)
         self._remaining, self._threshold = 0, 0.0
@@ -63,20 +71,18 @@ class OnlineDrafter:
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
         self.train_tokens_on_idle = 0
 
-    def _start_worker(self, state: dict | None) -> SpotWorker:
+    def _start_worker(self, state: dict | None) -> TrainerHandle:
         engine, cfg = self.engine, self.cfg
         policy, drafter = engine.model, engine.model_drafter
         tied = policy.config.tie_word_embeddings
-        return SpotWorker(WorkerSetup(
+        return self.start_trainer(TrainerSetup(
             drafter=drafter.detached(), policy_config=policy.config,
             embed=policy.model.embed_tokens.weight.detach().cpu().clone(),
             lm_head=None if tied else policy.lm_head.weight.detach().cpu().clone(),
             spot=self.spot, buffer_bytes=int(cfg.buffer_mb * 2**20),
             offset_mix=cfg.offset_mix, seed=self.seed, num_threads=cfg.num_threads,
             max_steps_per_step=cfg.max_steps_per_step, max_sample_tokens=cfg.window_tokens,
-            state=None if state is None else pickle_state(state)),
-            reply_timeout_s=cfg.reply_timeout_s, inbox_samples=cfg.inbox_samples,
-            stats=SpotStats.of_state(state))
+            state=state), cfg, SpotStats.of_state(state))
 
     # --------------------------------------------------------------- the collector's buffer
     def add(self, sample) -> None:
@@ -102,8 +108,9 @@ class OnlineDrafter:
     # ----------------------------------------------------------------------------- rollout
     def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None:
         if self.worker is not None and not self.worker.alive:
-            self._fail(f"the drafter worker died (exit code {self.worker.process.exitcode})")
+            self._fail(f"the drafter worker died ({self.worker.death})")
         self.collector.start_step(step)
+        self.train_tokens_on_idle = 0
         self._remaining, self._threshold = num_requests, self.cfg.tail_fraction * num_requests
         self.pause_s = 0.0
         self._dropped_at_start = self.collector.dropped_tokens
@@ -134,16 +141,21 @@ class OnlineDrafter:
 
     def end_rollout(self, rewards: list[float]) -> None:
         self._pause()
-        self.train_tokens_on_idle = 0
+        if self.consuming:
+            self.collector.set_rewards(rewards)
+
+    def _settle(self) -> None:
+        """The last pause in effect (the RayTrainer's pause does not wait for its running
+        micro-step; the SpotWorker's did), then what the rollout's idle time trained."""
+        self._call("settle")
         if self._tokens_at_idle is not None:
             self.train_tokens_on_idle = self._stats().tokens - self._tokens_at_idle
             self._tokens_at_idle = None
-        if self.consuming:
-            self.collector.set_rewards(rewards)
 
     # ------------------------------------------------------------------------ actor update
     def start_update(self) -> None:
         if self.cfg.during_update and self.consuming:
+            self._settle()   # the idle time's tokens, before the update's are added
             self.worker.go()
 
     def end_update(self) -> None:
@@ -195,6 +207,7 @@ class OnlineDrafter:
         """At the step boundary: the health check, then (as `refresh` says) the new drafter
         into the engine, or after a fallback (every reprobe_every steps) a re-probe of the
         newest one. Returns the step's drafter metrics."""
+        self._settle()
         metrics = self._metrics()
         if self.health.observe(engine, accept_length):
             self.health.trainer_steps_at_fallback = self._stats().steps
@@ -300,6 +313,15 @@ class OnlineDrafter:
 
 
 # ---------------------------------------------------------------------------------- helpers
+StartTrainer = Callable[[TrainerSetup, OnlineDrafterConfig, SpotStats], TrainerHandle]
+
+
+def _spot_worker(setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats
+                 ) -> TrainerHandle:
+    return SpotWorker(setup, reply_timeout_s=cfg.reply_timeout_s,
+                      inbox_samples=cfg.inbox_samples, stats=stats)
+
+
 def online_loss(loss: str | None, kind: str) -> str:
     """drafter.online.loss, or the drafter kind's own loss; a kind's loss for another kind is
     refused here, before the worker would raise on its first micro-step."""

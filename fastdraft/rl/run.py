@@ -128,7 +128,8 @@ class Run:
             run_dir, self.start_step)
         # Callbacks on every finished rollout (the online drafter trainer listens here).
         self.drafter: OnlineDrafter | FixedDrafter = (
-            OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume)
+            OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume,
+                          **_trainer_placement(cfg, self.engine))
             if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
         if self.timeline is not None and isinstance(self.drafter, OnlineDrafter):
@@ -276,6 +277,18 @@ def _actor_peers(cfg: RunConfig) -> type:
         return RayActorPeers
     from fastdraft.rl.actor_peers import ActorPeers
     return ActorPeers
+
+
+def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
+    """Where the online drafter trains: beside this process (local), or as a Ray actor on a
+    rollout worker's bundle and device (ray)."""
+    if cfg.cluster.backend == "local":
+        return {}
+    from fastdraft.cluster.trainer_actor import RayTrainer
+    options = engine.trainer_options()
+    return {"device": engine.device,
+            "start_trainer": lambda setup, online, stats: RayTrainer(setup, online, stats,
+                                                                     options)}
 
 
 def _pool(cfg: RunConfig, make_engine: Callable[..., RolloutEngine]) -> Any:

@@ -9,11 +9,13 @@ them, finishes its step, writes a checkpoint and then closes its helpers (rl/sto
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -44,3 +46,16 @@ def kill_helpers(timeout_s: float = 5.0) -> None:
         child.kill()
     for child in children:
         child.join(timeout_s)
+
+
+#: The nice value of work that should only take CPU time nothing else wants (Linux's lowest).
+LOWEST_NICE = 19
+
+
+def run_when_idle() -> None:
+    """The calling thread (Linux schedules threads, each with its own nice value) gets the CPU
+    only when nothing of normal priority wants it: the online drafter trainer's micro-steps,
+    which must use the cores the rollout's tail leaves idle, not slow the tail down. Threads
+    it starts later inherit it. A no-op where the OS refuses or has no such call."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_NICE)

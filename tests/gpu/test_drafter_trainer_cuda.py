@@ -4,38 +4,31 @@ engine on CUDA the default device (the policy's) is the GPU, never the host's co
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from fastdraft import RolloutEngine, SpecConfig
 from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.rl.online_drafter import OnlineDrafter
+from fastdraft.trainer.service import TrainerSetup
 from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+from fastdraft.trainer.worker import SpotWorker
 from fastdraft.utils.digest import tensor_digest
-from tests.trainer.test_spot import _samples, _setup
+from tests.trainer.test_spot import _samples, _setup, train_until
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_the_worker_trains_on_cuda(tiny_checkpoint):
     policy, drafter = _setup(tiny_checkpoint)
-    worker = SpotWorker(WorkerSetup(
+    worker = SpotWorker(TrainerSetup(
         drafter=drafter, policy_config=policy.config,
         embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
         spot=SpotConfig(token_budget=64, device="cuda"), buffer_bytes=2**24, offset_mix=0.5,
         seed=0, num_threads=1))
     try:
         first = worker.publish()
-        for s in _samples(policy, 12):
-            worker.add(s)
-        worker.go()
-        deadline = time.monotonic() + 120
-        while worker.publish().version and worker.stats.steps < 5:
-            assert time.monotonic() < deadline, "the worker did not train"
-            time.sleep(0.2)
+        train_until(worker, _samples(policy, 12), steps=5, timeout_s=120)
         worker.pause()
         published = worker.publish()
         assert worker.stats.device.startswith("cuda")

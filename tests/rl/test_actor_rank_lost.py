@@ -16,7 +16,7 @@ from fastdraft.config import load_recipe
 from fastdraft.rl.run import run_recipe
 from fastdraft.utils.digest import tensor_digest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
+pytestmark = pytest.mark.slow
 STEPS = 4
 
 
@@ -49,8 +49,13 @@ def _kill_rank1_after_step(run_dir, step: int) -> threading.Thread:
             if child.name == "fastdraft-actor-rank1":
                 os.kill(child.pid, signal.SIGKILL)
                 return
-        for proc in psutil.process_iter(["cmdline"]):   # a Ray rank: its worker process
-            if "_Rank" in " ".join(proc.info["cmdline"] or []):
+        # A Ray rank: its worker process, under this process's own Ray cluster.
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except psutil.Error:   # ended meanwhile
+                continue
+            if "_Rank" in cmdline:
                 proc.send_signal(signal.SIGKILL)
                 return
 
@@ -68,7 +73,8 @@ def _final_digest(run_dir) -> str:
     return tensor_digest(sorted(tensors.items()))
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize("backend", [   # one Ray cluster at a time: the "ray" group
+    "local", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))])
 def test_a_killed_actor_rank_resumes_from_the_last_checkpoint(char_policy, tmp_path, backend,
                                                                 capsys):
     extra = [f"cluster.backend={backend}"]

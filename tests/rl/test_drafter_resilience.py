@@ -25,7 +25,7 @@ from fastdraft.utils.digest import tensor_digest
 from tests.rl.online_helpers import drive_step, eagle_engine
 from tests.rl.test_loop import _cfg
 
-pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time (its [ray] cases)
+ON_RAY = pytest.mark.xdist_group("ray")   # one Ray cluster at a time (the [ray] case only)
 
 ONLINE = ["rollout.spec.method=eagle", "drafter.online.enabled=true",
           "drafter.online.token_budget=64", "drafter.online.tail_fraction=1.0",
@@ -37,8 +37,9 @@ def _online(engine, **cfg) -> OnlineDrafter:
                                              **cfg), engine)
 
 
-@pytest.mark.parametrize("cluster", [[], ["cluster.backend=ray", "cluster.rollout_workers=2"]],
-                         ids=["local", "ray"])
+@pytest.mark.parametrize("cluster", [
+    pytest.param([], id="local"),
+    pytest.param(["cluster.backend=ray", "cluster.rollout_workers=2"], id="ray", marks=ON_RAY)])
 def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_drafter, tmp_path,
                                                           cluster):
     run = Run(_cfg(char_policy, *ONLINE, f"drafter.path={char_drafter}", *cluster,
@@ -47,7 +48,7 @@ def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_draf
     try:
         train_step(run, 0)
         good = run.engine.drafter_version
-        first = run.drafter.worker.process.pid
+        first = run.drafter.worker.pid
         os.kill(first, signal.SIGKILL)
         for step in (1, 2, 3):
             version = run.engine.drafter_version
@@ -63,7 +64,7 @@ def test_a_killed_worker_is_restarted_and_the_run_goes_on(char_policy, char_draf
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
     assert rows[1]["drafter/worker_failures"] == 1 and rows[-1]["drafter/restarts"] == 1
     assert rows[-1]["drafter/worker_alive"] == 1.0
-    assert run.drafter.worker is not None and run.drafter.worker.process.pid != first
+    assert run.drafter.worker is not None and run.drafter.worker.pid != first
     assert run.engine.drafter_version > good   # the restarted worker published again
 
 
@@ -75,7 +76,7 @@ def test_without_restarts_the_last_good_drafter_serves_and_nothing_is_captured(
         drive_step(online, engine, 0)
         good = engine.drafter_version
         tensors = [(n, t.clone()) for n, t in trainable_named_tensors(engine.model_drafter)]
-        os.kill(online.worker.process.pid, signal.SIGKILL)
+        os.kill(online.worker.pid, signal.SIGKILL)
         for step in (1, 2):
             metrics = drive_step(online, engine, step)
     finally:

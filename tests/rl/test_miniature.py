@@ -19,14 +19,17 @@ from fastdraft.rl.run import run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
-STEPS = 4   # CI's share of the recipe's 12 steps: every part of the path runs
+STEPS = 3   # CI's share of the recipe's 20 steps: every part of the path runs
 
 
 def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     cfg = load_recipe(RECIPE, [f"algorithm.num_steps={STEPS}", "checkpoint.every=2",
                                "logging.wandb.mode=disabled", "cluster.backend=ray",
                                "cluster.rollout_workers=2", "cluster.consolidate_below=16",
-                               "drafter.warmup_steps=150"])   # (the recipe's 600: ~270 s here)
+                               # CI's share of the recipe's sizes (600 steps on 512 rollouts,
+                               # 32 prompts a step: ~8 min here under CI's load)
+                               "drafter.warmup_steps=150", "drafter.warmup_rollouts=256",
+                               "rollout.prompts_per_step=16"])
     assert cfg.actor.num_ranks == 2 and cfg.actor.compute_dtype == "bfloat16"
     run = run_recipe(cfg, tmp_path / "run")
     policy = json.loads((run.policy_dir / "config.json").read_text())

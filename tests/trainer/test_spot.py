@@ -14,6 +14,7 @@ import torch
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter import build_drafter
 from fastdraft.models import load_model
+from fastdraft.trainer.service import TrainerSetup
 from fastdraft.trainer.spot import (
     MAX_LATENCIES,
     PolicyHead,
@@ -21,7 +22,7 @@ from fastdraft.trainer.spot import (
     SpotTrainer,
     StopEvent,
 )
-from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+from fastdraft.trainer.worker import SpotWorker
 from fastdraft.utils.digest import tensor_digest
 
 
@@ -86,9 +87,21 @@ def test_an_empty_buffer_ends_run_at_once(tiny_checkpoint):
     assert trainer.run(threading.Event()) == 0 and trainer.stats.preemptions == 0
 
 
+def train_until(trainer, samples: list[Sample], steps: int, timeout_s: float = 60.0) -> None:
+    """Sends `samples` to a trainer in another process (a TrainerHandle), tells it to train
+    and waits until it has taken `steps` micro-steps."""
+    for s in samples:
+        trainer.add(s)
+    trainer.go()
+    deadline = time.monotonic() + timeout_s
+    while trainer.publish().version and trainer.stats.steps < steps:
+        assert time.monotonic() < deadline, "the trainer did not train"
+        time.sleep(0.2)
+
+
 def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
     policy, drafter = _setup(tiny_checkpoint)
-    worker = SpotWorker(WorkerSetup(
+    worker = SpotWorker(TrainerSetup(
         drafter=drafter, policy_config=policy.config,
         embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
         spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
@@ -96,13 +109,7 @@ def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
     try:
         first = worker.publish()
         assert worker.stats.steps == 0
-        for s in _samples(policy, 12):
-            worker.add(s)
-        worker.go()
-        deadline = time.monotonic() + 60
-        while worker.publish().version and worker.stats.steps < 3:
-            assert time.monotonic() < deadline, "the worker did not train"
-            time.sleep(0.2)
+        train_until(worker, _samples(policy, 12), steps=3)
         worker.pause()
         paused_at = worker.stats.steps
         assert worker.stats.preemptions == 1
@@ -120,9 +127,10 @@ import sys, torch
 from fastdraft.drafter import build_drafter
 from fastdraft.models import load_model
 from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.worker import SpotWorker, WorkerSetup
+from fastdraft.trainer.service import TrainerSetup
+from fastdraft.trainer.worker import SpotWorker
 policy = load_model(sys.argv[1]).eval()
-worker = SpotWorker(WorkerSetup(
+worker = SpotWorker(TrainerSetup(
     drafter=build_drafter("eagle1", policy.config, 128), policy_config=policy.config,
     embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
     spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0, num_threads=1))

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdraft.trainer.service import TrainerSetup, WorkerFailure
 from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.worker import SpotWorker, WorkerFailure, WorkerSetup
+from fastdraft.trainer.worker import SpotWorker
 from tests.trainer.test_spot import _samples, _setup
 
 
 def _worker(tiny_checkpoint, timeout_s: float = 60.0, inbox: int = 0, **spot) -> tuple:
     policy, drafter = _setup(tiny_checkpoint)
-    worker = SpotWorker(WorkerSetup(
+    worker = SpotWorker(TrainerSetup(
         drafter=drafter, policy_config=policy.config,
         embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
         spot=SpotConfig(token_budget=64, **spot), buffer_bytes=2**24, offset_mix=0.5, seed=0,
@@ -90,8 +91,8 @@ def test_a_dead_worker_is_a_failure_at_once_and_nothing_is_queued_for_it(tiny_ch
 def test_an_error_in_the_worker_reaches_the_caller(tiny_checkpoint):
     _, worker = _worker(tiny_checkpoint)
     try:
-        worker._put(("no-such-command", None))
-        with pytest.raises(WorkerFailure, match="unknown command"):
+        worker._put("no_such_method")
+        with pytest.raises(WorkerFailure, match="no attribute 'no_such_method'"):
             worker.publish()
     finally:
         worker.close()
