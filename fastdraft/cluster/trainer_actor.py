@@ -46,18 +46,16 @@ class TrainerActor:
         self.service = TrainerService(setup)
         self.device = torch.device(setup.spot.device)
         self._go = threading.Event()
-        self._quit = False
         self._idle = threading.Event()   # set while the training thread is between steps
         self._idle.set()
         self._gate = threading.Lock()    # a micro-step starts only while `go` is still set
-        self._thread = threading.Thread(target=self._train, name="drafter-trainer",
-                                        daemon=True)
-        self._thread.start()
+        # A daemon: it ends with the actor's process (ray.kill), between micro-steps or not.
+        threading.Thread(target=self._train, name="drafter-trainer", daemon=True).start()
 
     def _train(self) -> None:
         run_when_idle()   # the micro-steps take only CPU time the workers leave
         with device_stream(self.device):
-            while not self._quit:
+            while True:
                 if not self._go.wait(timeout=0.1):
                     continue
                 with self._gate:

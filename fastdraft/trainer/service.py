@@ -42,7 +42,6 @@ class TrainerSetup:
     seed: int
     num_threads: int
     max_steps_per_step: int = 0      # micro-steps per RL step at most (0: no cap)
-    min_steps_per_step: int = 0      # at least, topped up by the publish (0: idle time only)
     state: dict | None = None        # SpotTrainer.state() to continue from
     max_sample_tokens: int | None = None   # longer samples are held as windows (DataBuffer)
 
