@@ -74,8 +74,9 @@ class RayActorPeers:
     def started(self) -> None:
         self.gather("start-up")
 
-    def lost(self) -> str | None:
-        """The first follower that no longer answers, as words; None when all do."""
+    def lost(self, grace_s: float = 0.0) -> str | None:
+        """The first follower that no longer answers, as words; None when all do. (grace_s:
+        Ray's own 10 s wait for an answer covers a death still on its way.)"""
         import ray
         for rank, actor in enumerate(self.ranks, start=1):
             try:

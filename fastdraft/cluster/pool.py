@@ -18,6 +18,7 @@ it."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -73,7 +74,7 @@ class RolloutPool:
         self.last_migrated = 0   # requests that changed worker in the last rollout
         self.last_push_s = 0.0
         self.reruns = 0   # requests re-run after their worker died (this run)
-        self.rollout_number = 0   # numbers the rollouts: a worker ignores a stale accept / peers
+        self.tickets = itertools.count(1)   # numbers every worker call: accept / peers name one
         self.calls: RolloutCalls | None = None   # the latest rollout's worker calls
         # Called when a worker's share is done while others still generate; True when that
         # promoted the worker to drafter training (the online drafter's on_worker_idle).
@@ -134,7 +135,6 @@ class RolloutPool:
         owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
         shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
                   for k in range(len(self.workers))]
-        self.rollout_number += 1
         capture = None if on_hidden is None else Capture(
             on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
         self.calls = call = RolloutCalls(self, prompt_token_ids, params, capture)
@@ -147,11 +147,11 @@ class RolloutPool:
         training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
         while call.pending:
             ready, _ = ray.wait(list(call.pending), num_returns=1)
-            k, indices = call.pending.pop(ready[0])
+            k = (ended := call.pending.pop(ready[0])).worker
             try:
                 part: WorkerRollout = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
-                call.rerun(k, indices, err)
+                call.rerun(k, ended.indices, err)
                 continue
             done.append((k, part))
             if on_hidden is not None:

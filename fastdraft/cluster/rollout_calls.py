@@ -4,6 +4,7 @@ exactly, and a yielded tail move into a peer's running call (cluster.consolidate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastdraft.cluster.rollout_worker import Capture
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
     from fastdraft.cluster.pool import RolloutPool
 
 
+@dataclass
+class WorkerCall:
+    """One generate call in flight: its worker, the requests it answers for (indices in the
+    whole rollout; tails it takes join them) and its ticket (the pool numbers every call)."""
+
+    worker: int
+    indices: list[int]
+    ticket: int
+
+
 class RolloutCalls:
     """The worker calls of one rollout: which requests (indices in the whole rollout) each
     running call answers for, so a worker's death re-runs exactly those, and the tails that
@@ -22,43 +33,46 @@ class RolloutCalls:
     def __init__(self, pool: RolloutPool, prompts: list[list[int]], params: SamplingParams,
                  capture: Capture | None) -> None:
         self.pool, self.prompts, self.params, self.capture = pool, prompts, params, capture
-        self.pending: dict[Any, tuple[int, list[int]]] = {}   # future -> (worker, indices)
+        self.pending: dict[Any, WorkerCall] = {}   # future -> the call it answers
         self.migrated = 0
 
     def submit(self, k: int, indices: list[int], peers_busy: int,
                resume: list[MigratedRequest] = ()) -> None:
         """Worker k generates `indices` from their prompts (and continues `resume`)."""
         fresh = [i for i in indices if i not in {m.index for m in resume}]
+        ticket = next(self.pool.tickets)
         future = self.pool.workers[k].generate.remote(
             [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
-            call=self.pool.rollout_number, peers_busy=peers_busy,
+            ticket=ticket, peers_busy=peers_busy,
             yield_below=self.pool.cfg.consolidate_below if not resume else 0)
-        self.pending[future] = (k, list(indices))
+        self.pending[future] = WorkerCall(k, list(indices), ticket)
 
     def busy(self) -> set[int]:
-        return {k for k, _ in self.pending.values()}
+        return {c.worker for c in self.pending.values()}
 
     def tell_peers(self) -> None:
         """Every generating worker learns how many others still generate (a worker yields its
         tail only while one does)."""
         busy = self.busy()
-        for k in busy:
-            self.pool.workers[k].peers.remote(self.pool.rollout_number, len(busy) - 1)
+        for c in self.pending.values():
+            self.pool.workers[c.worker].peers.remote(c.ticket, len(busy) - 1)
 
     def forward(self, donor: int, tail: list[MigratedRequest]) -> None:
-        """A yielded tail into the running call with the most requests left; if every call has
-        ended meanwhile, the donor finishes it itself (no further yield)."""
+        """A yielded tail into the call with the most requests left, running or queued (a
+        worker that yielded at the same moment as the donor and got its own tail back takes
+        this one too); if every call has ended meanwhile, the donor finishes it itself (no
+        further yield)."""
         import ray
         indices = [m.index for m in tail]
-        for k, owned in sorted(self.pending.values(), key=lambda e: -len(e[1])):
-            if k == donor:
+        for c in sorted(self.pending.values(), key=lambda c: -len(c.indices)):
+            if c.worker == donor:
                 continue
             try:
-                taken = ray.get(self.pool.workers[k].accept.remote(tail, self.pool.rollout_number))
+                taken = ray.get(self.pool.workers[c.worker].accept.remote(tail, c.ticket))
             except ray.exceptions.RayActorError:
                 taken = False   # it died: its own call fails and is re-run
             if taken:
-                owned += indices
+                c.indices += indices
                 self.migrated += len(tail)
                 return
         self.submit(donor, indices, peers_busy=0, resume=tail)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,23 +69,24 @@ class RolloutWorker:
         if threads:   # a worker of N threads uses N cores: Ray placed it for that many
             torch.set_num_threads(threads)
         self.engine = make_engine(device)
-        self._inbox: Inbox | None = None
-        self._call = 0        # the pool's number of the running generate
-        self._peers_busy = 0  # peers the pool last saw generating (yield only to one of them)
+        self._lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}   # ticket -> a generate running or still queued
+        self._ended = 0   # the last ticket whose generate ended (they run in ticket order)
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  stream_ids: list[int], capture: Capture | None, *,
-                 resume: list[MigratedRequest] = (), call: int = 0, peers_busy: int = 0,
+                 resume: list[MigratedRequest] = (), ticket: int = 1, peers_busy: int = 0,
                  yield_below: int = 0) -> WorkerRollout:
         """The engine's generate on this share, request i as request stream_ids[i] of the whole
         rollout: its random stream (so the share it lands in changes nothing) and its index.
         With capture, each finished request becomes drafter samples here, while this worker's
         tail still decodes: what travels to the driver is one sample a request, not a record
         a step. resume: requests another worker yielded (global indices). yield_below > 0:
-        hand the tail back once fewer requests are left, if a peer still generates."""
+        hand the tail back once fewer requests are left, if a peer still generates. ticket:
+        the pool's number of this call (accept / peers name it; it may be queued still)."""
         from fastdraft.trainer.collector import SampleCollector
         start = time.time()
         samples = _SampleList()
@@ -92,7 +94,9 @@ class RolloutWorker:
             samples, capture.budget_bytes, capture.row_bytes)
         if collector is not None:
             collector.start_step(capture.rl_step)
-        self._inbox, self._call, self._peers_busy = Inbox(), call, peers_busy
+        mine = self._call(ticket)
+        if mine.peers_busy is None:   # no newer word from the pool while it was queued
+            mine.peers_busy = peers_busy
         index = _Index(stream_ids)
         try:
             completions = self.engine.generate(
@@ -100,10 +104,13 @@ class RolloutWorker:
                 on_hidden=None if collector is None else _InRollout(collector, index),
                 on_finish=None if collector is None else (
                     lambda c: collector.on_finish(_global(c, index))),
-                resume=[_local(m) for m in resume], inbox=self._inbox,
-                yield_below=yield_below, should_yield=lambda: self._peers_busy > 0)
+                resume=[_local(m) for m in resume], inbox=mine.inbox,
+                yield_below=yield_below, should_yield=lambda: mine.peers_busy > 0)
         finally:
-            self._inbox = None
+            mine.inbox.close()   # (the engine closed it already, unless it raised)
+            with self._lock:
+                self._ended = max(self._ended, ticket)
+                self._calls.pop(ticket, None)
         migrated = [dataclasses.replace(m, index=index(m.index))
                     for m in self.engine.last_migrated]
         if collector is not None:   # the receiver re-captures them whole from its prefill
@@ -115,18 +122,27 @@ class RolloutWorker:
                              migrated)
 
     @ray.method(concurrency_group=HANDOFF)
-    def accept(self, migrated: list[MigratedRequest], call: int) -> bool:
-        """Another worker's tail into the running generate `call`; False (nothing taken) when
-        that call has ended (or not begun): the pool then sends them elsewhere."""
-        inbox = self._inbox
-        return (inbox is not None and self._call == call
-                and inbox.put([_local(m) for m in migrated]))
+    def accept(self, migrated: list[MigratedRequest], ticket: int) -> bool:
+        """Another worker's tail into generate call `ticket`, running or still queued (it
+        takes them at its first step); False (nothing taken) once that call has ended: the
+        pool then sends them elsewhere."""
+        mine = self._call(ticket)
+        return mine is not None and mine.inbox.put([_local(m) for m in migrated])
 
     @ray.method(concurrency_group=HANDOFF)
-    def peers(self, call: int, busy: int) -> None:
+    def peers(self, ticket: int, busy: int) -> None:
         """How many peers still generate, as the pool sees it after a worker's share ended."""
-        if self._call == call:
-            self._peers_busy = busy
+        mine = self._call(ticket)
+        if mine is not None:
+            mine.peers_busy = busy
+
+    def _call(self, ticket: int) -> _Call | None:
+        """Call `ticket`'s state, made by whichever of generate / accept / peers comes first;
+        None once it has ended."""
+        with self._lock:
+            if ticket <= self._ended:
+                return None
+            return self._calls.setdefault(ticket, _Call())
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
         return self.engine.load_weights(named, version)
@@ -150,6 +166,15 @@ class RolloutWorker:
 
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state)
+
+
+@dataclass
+class _Call:
+    """One generate call as accept / peers see it: where tails go in, and how many peers the
+    pool last saw generating (it yields only while one does; None: not yet told)."""
+
+    inbox: Inbox = field(default_factory=Inbox)
+    peers_busy: int | None = None
 
 
 class _SampleList(list):

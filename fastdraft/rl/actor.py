@@ -135,10 +135,10 @@ class Actor:
         self.rank0.load_training_state(state)
         self._gather("the optimizer restore")
 
-    def lost_rank(self) -> str | None:
+    def lost_rank(self, grace_s: float = 0.0) -> str | None:
         """A follower rank that died, as words (what a failed collective really means);
-        None when every rank lives."""
-        return self.peers.lost() if self.peers is not None else None
+        None when every rank lives (watched for grace_s)."""
+        return self.peers.lost(grace_s) if self.peers is not None else None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Ends the follower ranks (asked, then killed after timeout_s)."""

@@ -10,6 +10,7 @@ run leaves no orphans and a Ctrl-C lets the step under way finish.
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any
 
@@ -79,12 +80,18 @@ class ActorPeers:
     def started(self) -> None:
         self.gather("start-up")
 
-    def lost(self) -> str | None:
-        """The first follower that died, as words; None when all live."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                return f"actor rank {rank} died (exit code {process.exitcode})"
-        return None
+    def lost(self, grace_s: float = 0.0) -> str | None:
+        """The first follower that died, as words; None when all live. grace_s: how long to
+        watch for a death still on its way: a killed rank's sockets close (and rank 0's
+        collective fails) a moment before its exit can be reaped."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    return f"actor rank {rank} died (exit code {process.exitcode})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def close(self, timeout_s: float = 30.0) -> None:
         for conn, process in zip(self.conns, self.processes):

@@ -336,6 +336,9 @@ def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
               f"(restart {restarts} of cluster.max_actor_restarts={limit})", flush=True)
 
 
+LOST_RANK_GRACE_S = 5.0   # how long a failed collective waits for its peer's death to show
+
+
 class ActorRanksLost(FastdraftError):
     """Actor ranks kept dying: more than cluster.max_actor_restarts automatic resumes."""
 
@@ -350,7 +353,8 @@ def lost_actor_rank(run: Run, err: BaseException) -> str | None:
             return str(link).splitlines()[0]
     if not isinstance(err, Exception):   # KeyboardInterrupt and the like: not a lost rank
         return None
-    try:
-        return run.actor.lost_rank()
+    try:   # a collective's error (a RuntimeError) may be seen before its peer's death is
+        return run.actor.lost_rank(grace_s=LOST_RANK_GRACE_S if isinstance(err, RuntimeError)
+                                   else 0.0)
     except Exception:   # the check itself failed: report the original error
         return None

@@ -174,9 +174,9 @@ def _kill_when(pool, pids: list[int], holds, timeout_s: float = 60.0) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         calls = pool.calls
-        for k, owned in list(calls.pending.values()) if calls is not None else []:
-            if holds(owned):
-                os.kill(pids[k], signal.SIGKILL)
+        for c in list(calls.pending.values()) if calls is not None else []:
+            if holds(c.indices):
+                os.kill(pids[c.worker], signal.SIGKILL)
                 return
         time.sleep(0.005)
 
