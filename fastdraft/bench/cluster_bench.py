@@ -13,14 +13,16 @@ of one thread each:
   below): a worker's last requests move to the worker still generating, and the donor trains.
 
 Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time (the target: <= 1.10) beside
-the single process's `local_exposed_cost`; `adaptive_vs_stale`: every run's engine loads the
-ray_on run's final policy, then the same prompts and seeds are rolled out with each run's
-drafter (bench drafter's drift evaluation): the accept length of the drafter trained on idle
-workers over the warm-up drafter's (ray_off), and over today's (local_on); `sim_error`: the
-cluster simulator (cluster/simulator.py) replays each Ray run's steps (its answer lengths, its
-engine steps' measured unit costs, its update and push times) and |simulated - measured| /
-measured step time is reported, the rollout alone too; `consolidation_rollout_ratio`:
-ray_consolidate / ray_on mean rollout time (with the requests moved per step). Then the
+the single process's `local_exposed_cost`, and per answer token (`exposed_cost_per_token`: the
+arms' answers differ in length, the same law but different samples); `adaptive_vs_stale`: every
+run's engine loads the ray_on run's final policy, then the same prompts and seeds are rolled
+out with each run's drafter (bench drafter's drift evaluation): the accept length of the drafter
+trained on idle workers over the warm-up drafter's (ray_off), and over today's (local_on);
+`sim_error`: the cluster simulator (cluster/simulator.py) replays each Ray run's steps (its
+answer lengths, its engine steps' measured unit costs, its update and push times) and
+|simulated - measured| / measured step time is reported, the rollout alone too;
+`consolidation_rollout_ratio`: ray_consolidate / ray_on mean rollout time (with the requests
+moved per step). Then the
 simulator's projections for 8 / 64 / 256 GPUs at 7B and 32B shapes, from `bench gpu` JSON
 (--gpu-json) or the H100 floors below, labelled as projections."""
 
@@ -91,6 +93,9 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
     def step_s(name: str) -> float:
         return mean(r["timing/step_s"] for r in rows[name][steps])
 
+    def answer_tokens(name: str) -> float:
+        return sum(r["rollout/response_len_mean"] for r in rows[name][steps])
+
     sims = {name: _sim_error(runs[name], rows[name][steps], shapes[name][steps], workers)
             for name in ("ray_off", "ray_on")}
     payload: dict[str, Any] = {
@@ -100,6 +105,11 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "rollout_s": {name: mean(r["timing/rollout_s"] for r in rows[name][steps])
                       for name in runs},
         "exposed_drafter_cost": step_s("ray_on") / step_s("ray_off"),
+        # The arms' policies drift apart (a drafter changes which samples a seed gives, not
+        # their law), so their answers' lengths do: the same ratio per answer token beside it.
+        "answer_tokens_ratio": answer_tokens("ray_on") / answer_tokens("ray_off"),
+        "exposed_cost_per_token": (step_s("ray_on") / answer_tokens("ray_on"))
+        / (step_s("ray_off") / answer_tokens("ray_off")),
         "local_exposed_cost": step_s("local_on") / step_s("local_off"),
         "train_tokens_on_idle": sum(r.get("drafter/train_tokens_on_idle", 0.0)
                                     for r in rows["ray_on"]),
@@ -241,6 +251,8 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"  exposed_drafter_cost (ray_on / ray_off step time): "
              f"{out['exposed_drafter_cost']:.3f}   (single process, local_on / local_off: "
              f"{out['local_exposed_cost']:.3f})",
+             f"  per answer token: {out['exposed_cost_per_token']:.3f} (ray_on wrote "
+             f"{out['answer_tokens_ratio']:.3f}x ray_off's answer tokens)",
              f"  drafter tokens trained on idle workers: {out['train_tokens_on_idle']:.0f}; "
              f"idle fraction ray_off {out['idle_fraction']['ray_off']:.3f} ray_on "
              f"{out['idle_fraction']['ray_on']:.3f}",

@@ -155,7 +155,8 @@ class RolloutPool:
                 continue
             done.append((k, part))
             if on_hidden is not None:
-                on_hidden.add_remote(part.samples, part.dropped_tokens, part.peak_bytes)
+                on_hidden.add_remote(ended.samples, part.sample_requests,
+                                     part.dropped_tokens, part.peak_bytes)
             for completion in part.completions:
                 results[completion.index] = completion
                 if on_finish is not None:

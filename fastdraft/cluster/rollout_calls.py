@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 @dataclass
 class WorkerCall:
     """One generate call in flight: its worker, the requests it answers for (indices in the
-    whole rollout; tails it takes join them) and its ticket (the pool numbers every call)."""
+    whole rollout; tails it takes join them), its ticket (the pool numbers every call) and
+    the reference to the drafter samples it will return (opened by the trainer, not here)."""
 
     worker: int
     indices: list[int]
     ticket: int
+    samples: Any = None
 
 
 class RolloutCalls:
@@ -41,11 +43,11 @@ class RolloutCalls:
         """Worker k generates `indices` from their prompts (and continues `resume`)."""
         fresh = [i for i in indices if i not in {m.index for m in resume}]
         ticket = next(self.pool.tickets)
-        future = self.pool.workers[k].generate.remote(
+        future, samples = self.pool.workers[k].generate.remote(
             [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
             ticket=ticket, peers_busy=peers_busy,
             yield_below=self.pool.cfg.consolidate_below if not resume else 0)
-        self.pending[future] = WorkerCall(k, list(indices), ticket)
+        self.pending[future] = WorkerCall(k, list(indices), ticket, samples)
 
     def busy(self) -> set[int]:
         return {c.worker for c in self.pending.values()}

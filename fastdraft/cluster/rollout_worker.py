@@ -46,12 +46,12 @@ class Capture:
 
 @dataclass
 class WorkerRollout:
-    """What one worker's share of a rollout produced: completions and drafter samples under
-    their indices in the whole rollout. start / end: wall-clock seconds (time.time(),
-    comparable across a node's processes)."""
+    """What one worker's share of a rollout produced: completions under their indices in the
+    whole rollout, and what its capture did (the samples themselves are generate's second
+    return: the driver passes that reference on to the trainer unopened). start / end:
+    wall-clock seconds (time.time(), comparable across a node's processes)."""
 
     completions: list[Completion]
-    samples: list[Sample] = field(default_factory=list)   # only when capture was asked
     dropped_tokens: int = 0        # captured rows refused by the byte budget
     peak_bytes: int = 0
     trace: RolloutTrace = field(default_factory=RolloutTrace)
@@ -59,6 +59,7 @@ class WorkerRollout:
     start: float = 0.0
     end: float = 0.0
     migrated: list[MigratedRequest] = field(default_factory=list)   # yielded, unfinished
+    sample_requests: int = 0       # requests the samples (the call's second return) are of
 
 
 HANDOFF = "handoff"   # the concurrency group of accept / peers: beside a running generate
@@ -76,17 +77,19 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(num_returns=2)
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  stream_ids: list[int], capture: Capture | None, *,
                  resume: list[MigratedRequest] = (), ticket: int = 1, peers_busy: int = 0,
-                 yield_below: int = 0) -> WorkerRollout:
+                 yield_below: int = 0) -> tuple[WorkerRollout, list[Sample]]:
         """The engine's generate on this share, request i as request stream_ids[i] of the whole
         rollout: its random stream (so the share it lands in changes nothing) and its index.
         With capture, each finished request becomes drafter samples here, while this worker's
-        tail still decodes: what travels to the driver is one sample a request, not a record
-        a step. resume: requests another worker yielded (global indices). yield_below > 0:
-        hand the tail back once fewer requests are left, if a peer still generates. ticket:
-        the pool's number of this call (accept / peers name it; it may be queued still)."""
+        tail still decodes: one sample a request, not a record a step, returned as a second
+        object the driver hands to the trainer without opening it. resume: requests another
+        worker yielded (global indices). yield_below > 0: hand the tail back once fewer
+        requests are left, if a peer still generates. ticket: the pool's number of this call
+        (accept / peers name it; it may be queued still)."""
         from fastdraft.trainer.collector import SampleCollector
         start = time.time()
         samples = _SampleList()
@@ -115,11 +118,11 @@ class RolloutWorker:
                     for m in self.engine.last_migrated]
         if collector is not None:   # the receiver re-captures them whole from its prefill
             collector.discard([m.index for m in migrated])
-        return WorkerRollout([_global(c, index) for c in completions], samples,
+        return WorkerRollout([_global(c, index) for c in completions],
                              0 if collector is None else collector.dropped_tokens,
                              0 if collector is None else collector.peak_bytes,
                              self.engine.last_trace, self.engine.last_stats, start, time.time(),
-                             migrated)
+                             migrated, len({s.request_index for s in samples})), list(samples)
 
     @ray.method(concurrency_group=HANDOFF)
     def accept(self, migrated: list[MigratedRequest], ticket: int) -> bool:

@@ -33,10 +33,11 @@ from fastdraft.trainer.service import (
 )
 from fastdraft.trainer.spot import Published, SpotStats
 from fastdraft.trainer.worker import STARTUP_GRACE_S, device_stream
+from fastdraft.utils.objects import resolved
 from fastdraft.utils.process import run_when_idle
 
 SEND_EVERY = 64   # calls held at most before they are sent as one
-FEED = ("add", "set_reward", "advance_step", "sync_policy")   # what `apply` takes
+FEED = ("add", "add_many", "set_reward", "advance_step", "sync_policy")   # what `apply` takes
 
 
 class TrainerActor:
@@ -71,12 +72,13 @@ class TrainerActor:
         return os.getpid()
 
     def apply(self, calls: list[tuple[str, tuple]]) -> None:
-        """The service's methods that answer nothing (add, set_reward, advance_step,
-        sync_policy), in the order the loop made them."""
+        """The service's methods that answer nothing (FEED), in the order the loop made them;
+        an argument that is a Ray reference (a rollout worker's samples) is fetched here,
+        straight from the worker's object store."""
         for method, args in calls:
             if method not in FEED:
                 raise ValueError(f"TrainerActor.apply: {method!r} is not one of {FEED}")
-            getattr(self.service, method)(*args)
+            getattr(self.service, method)(*map(resolved, args))
 
     def go(self) -> None:
         self._go.set()
@@ -121,6 +123,9 @@ class RayTrainer(TrainerHandle):
     # producer side (what SampleCollector calls): held, then sent as one call
     def add(self, sample: Sample) -> None:
         self._hold("add", sample)
+
+    def add_many(self, samples: list[Sample] | Any) -> None:
+        self._hold("add_many", samples)   # a reference stays one: the actor fetches it
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self._hold("set_reward", key, reward)

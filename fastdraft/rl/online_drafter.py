@@ -89,6 +89,11 @@ class OnlineDrafter:
         if self.worker is not None:
             self.worker.add(sample)
 
+    def add_many(self, samples) -> None:
+        """A rollout worker's samples, or a Ray reference to them (passed on unopened)."""
+        if self.worker is not None:
+            self.worker.add_many(samples)
+
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         if self.worker is not None:
             self.worker.set_reward(key, reward)

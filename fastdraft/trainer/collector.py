@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.warmup import first_drafted_pair
 from fastdraft.engine import Completion
 from fastdraft.engine.capture import HiddenRecord
+from fastdraft.utils.objects import resolved
 
 
 class SampleCollector:
@@ -139,13 +141,20 @@ class SampleCollector:
                 aux_hidden=tuple(a[begin:end] for a in aux)))
         self.num_added += 1
 
-    def add_remote(self, samples: list[Sample], dropped_tokens: int, peak_bytes: int) -> None:
-        """Samples another process's collector made of its share of the rollout (a Ray
-        rollout worker's), with what its budget refused and held at most."""
-        for sample in samples:
-            self.buffer.add(sample)
+    def add_remote(self, samples: list[Sample] | Any, requests: int, dropped_tokens: int,
+                   peak_bytes: int) -> None:
+        """Samples (of `requests` requests) another process's collector made of its share of
+        the rollout (a Ray rollout worker's), or a Ray reference to them, with what its budget
+        refused and held at most. A buffer that takes a batch (the online drafter) gets the
+        reference as it is: the samples go from the worker to the trainer, not through here."""
+        add_many = getattr(self.buffer, "add_many", None)
+        if add_many is not None:
+            add_many(samples)
+        else:
+            for sample in resolved(samples):
+                self.buffer.add(sample)
         with self._lock:
-            self.num_added += len({s.request_index for s in samples})
+            self.num_added += requests
             self.dropped_tokens += dropped_tokens
             self.peak_bytes = max(self.peak_bytes, peak_bytes)
 

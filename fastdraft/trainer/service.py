@@ -21,6 +21,7 @@ from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
 from fastdraft.trainer.spot import PolicyHead, Published, SpotConfig, SpotStats, SpotTrainer
 from fastdraft.utils.memory import release_free_memory, rss_mb
+from fastdraft.utils.objects import resolved
 
 
 class WorkerFailure(RuntimeError):
@@ -78,6 +79,10 @@ class TrainerService:
     # draws: a sample never waits for a micro-step to end (that made a pause wait seconds).
     def add(self, sample: Sample) -> None:
         self.buffer.add(sample)
+
+    def add_many(self, samples: list[Sample]) -> None:
+        for sample in samples:
+            self.buffer.add(sample)
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self.buffer.set_reward(key, reward)
@@ -151,6 +156,13 @@ class TrainerHandle:
     death: str    # how the process ended, for the log
 
     def add(self, sample: Sample) -> None: ...
+
+    def add_many(self, samples: list[Sample] | Any) -> None:
+        """A batch of samples, or a Ray reference to one (a rollout worker's share): the
+        RayTrainer passes the reference on, so the samples go from the worker to the trainer
+        without the driver opening them; this default opens it here."""
+        for sample in resolved(samples):
+            self.add(sample)
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None: ...
     def advance_step(self) -> None: ...
     def sync_policy(self, named_tensors) -> None: ...

@@ -27,6 +27,8 @@ def test_cluster_bench_reports_costs_accept_and_simulation(char_policy, char_dra
     for key in ("exposed_drafter_cost", "local_exposed_cost", "adaptive_vs_stale",
                 "adaptive_vs_today", "sim_error"):
         assert out[key] > 0, key
+    assert out["exposed_cost_per_token"] == pytest.approx(
+        out["exposed_drafter_cost"] / out["answer_tokens_ratio"])
     assert out["rollout_workers"] == 2 and set(out["step_s"]) == {
         "local_off", "local_on", "ray_off", "ray_on", "ray_consolidate"}
     assert out["consolidation_rollout_ratio"] > 0 and out["migrated_per_step"] > 0

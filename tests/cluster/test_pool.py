@@ -186,6 +186,11 @@ class _Samples(list):
         self.append(sample)
 
 
+class _Batches(list):
+    def add_many(self, samples) -> None:
+        self.append(samples)
+
+
 def test_workers_turn_hidden_states_into_the_samples_a_local_engine_gives(
         local_ray, tiny_checkpoint, random_drafter):
     """The online drafter's data: each worker builds its requests' samples (under their index
@@ -199,15 +204,19 @@ def test_workers_turn_hidden_states_into_the_samples_a_local_engine_gives(
     engine = _factory(path, random_drafter)("cpu")
     engine.generate(prompts, params, on_hidden=local, on_finish=local.on_finish,
                     use_tqdm=False)
-    remote = SampleCollector(_Samples())
+    remote = SampleCollector(_Batches())
     remote.start_step(4)
     pool = _pool(path, random_drafter, 2, "concentrate")
     try:
         pool.generate(prompts, params, on_hidden=remote)
+        # A buffer that takes batches (the online drafter's) gets each worker's samples as a
+        # reference: they go from the worker to the trainer, never opened by the driver.
+        assert remote.buffer and all(isinstance(r, ray.ObjectRef) for r in remote.buffer)
+        got = [s for ref in remote.buffer for s in ray.get(ref)]
     finally:
         pool.close()
     assert remote.num_added == local.num_added == len(prompts)
-    mine = sorted(remote.buffer, key=lambda s: s.request_index)
+    mine = sorted(got, key=lambda s: s.request_index)
     theirs = sorted(local.buffer, key=lambda s: s.request_index)
     assert [s.request_index for s in mine] == [s.request_index for s in theirs]
     for a, b in zip(mine, theirs):

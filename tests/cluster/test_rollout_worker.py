@@ -24,14 +24,14 @@ def test_a_tail_handed_to_a_queued_call_is_finished_by_it(tiny_checkpoint, rando
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
     want = make("cpu").generate(prompts, params, use_tqdm=False, stream_ids=list(range(5)))
     worker = RolloutWorker(make, "cpu", 0)
-    first = worker.generate(prompts[:3], params, [0, 1, 2], None, ticket=1, peers_busy=1,
-                            yield_below=99)
+    first, _ = worker.generate(prompts[:3], params, [0, 1, 2], None, ticket=1, peers_busy=1,
+                               yield_below=99)
     assert first.migrated and not first.completions   # yielded after its first step
     assert not worker.accept(first.migrated, ticket=1)   # that call has ended
     assert worker.accept(first.migrated, ticket=2)       # not begun yet: queued for it
     worker.peers(2, 0)   # news for the queued call: no peer left, so it must not yield
-    second = worker.generate(prompts[3:], params, [3, 4], None, ticket=2, peers_busy=1,
-                             yield_below=99)
+    second, _ = worker.generate(prompts[3:], params, [3, 4], None, ticket=2, peers_busy=1,
+                                yield_below=99)
     assert not second.migrated
     got = sorted(second.completions, key=lambda c: c.index)
     assert [c.index for c in got] == list(range(5))

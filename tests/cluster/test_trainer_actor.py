@@ -55,13 +55,16 @@ def test_the_ray_trainer_trains_exactly_as_the_local_process(local_ray, tiny_che
     policy, drafter = _setup(tiny_checkpoint)
     samples = _samples(policy, 12, step=1)   # after advance_step: the buffer's step 1
     published = []
-    for start in (lambda s: SpotWorker(s), _ray_trainer):
+    # The rest arrive as a rollout worker's batch: a Ray reference the actor opens itself.
+    for start, batch in ((lambda s: SpotWorker(s), samples[4:]),
+                         (_ray_trainer, ray.put(samples[4:]))):
         trainer = start(_trainer_setup(policy, drafter))
         try:
             trainer.advance_step()
             trainer.sync_policy(policy.named_parameters())
-            for s in samples:
+            for s in samples[:4]:
                 trainer.add(s)
+            trainer.add_many(batch)
             for i, s in enumerate(samples):
                 trainer.set_reward((s.rl_step, s.request_index), float(i % 3))
             published.append(trainer.publish(min_steps=4))   # four micro-steps, no idle time
