@@ -190,6 +190,8 @@ class RolloutPool:
             parts.sort(key=lambda p: p.start)
             for i, part in enumerate(parts):
                 stats.merge(part.stats)
+                trace.prefill_tokens += part.trace.prefill_tokens
+                trace.prefill_computed += part.trace.prefill_computed
                 base = part.start - part.trace.times[0] if part.trace.times else part.start
                 events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
                     part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,

@@ -177,7 +177,8 @@ class RayTrainer(TrainerHandle):
     def close(self, timeout_s: float = 30.0) -> None:
         import ray
         self.closed = True
-        ray.kill(self.actor, no_restart=True)
+        if ray.is_initialized():   # else Ray went down already, and the actor with it
+            ray.kill(self.actor, no_restart=True)
 
     # calls
     def _send(self) -> None:

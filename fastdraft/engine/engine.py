@@ -37,6 +37,7 @@ from fastdraft.engine.memory_plan import (
 )
 from fastdraft.engine.migration import Handoff, Inbox, MigratedRequest
 from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.prefix_share import SharedPrefill
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
 from fastdraft.engine.rng import Stream, uniform_keyed
 from fastdraft.engine.sampler import sample
@@ -282,8 +283,15 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         requests, start = batch.requests, batch.slot_start
         resumed = [bool(r.output_token_ids) for r in requests]
         self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
-        logits, hidden = self.runner.prefill([r.prefill_token_ids for r in requests], start,
-                                             self.aux_layers)
+        share = SharedPrefill.of([r.prefill_token_ids for r in requests])
+        logits, hidden = self.runner.prefill(share.prompts, start, self.aux_layers)
+        if share.shared:   # a group's equal prompts: computed once, every row takes its own
+            rows = share.rows(logits.device)
+            self.runner.spread_prefill(start, rows, max(len(p) for p in share.prompts))
+            logits = logits[rows]
+            hidden = HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
+        self.last_trace.prefill_tokens += share.rows_tokens
+        self.last_trace.prefill_computed += share.computed_tokens
         st = self.io.sampling.tensors.rows(start, start + len(requests))
         mode = SamplingMode.of(requests)
         uniforms = None

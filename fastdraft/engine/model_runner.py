@@ -60,6 +60,15 @@ class ModelRunner:
                                     aux_layers=aux_layers)
         return logits[:, 0], hidden
 
+    def spread_prefill(self, slot_start: int, rows: torch.Tensor, width: int) -> None:
+        """After a prefill of a batch's distinct prompts into slots slot_start..: slot
+        slot_start + i takes cells 0..width-1 of slot slot_start + rows[i] (its prompt's).
+        The right side is gathered before anything is written: a computed slot may also be
+        the destination of another prompt's row."""
+        end = slot_start + rows.shape[0]
+        self.kv_cache[:, :, slot_start:end, :, :width] = \
+            self.kv_cache[:, :, slot_start + rows, :, :width]
+
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
                sees_all: bool = False, aux_layers: tuple[int, ...] = ()
                ) -> tuple[torch.Tensor, HiddenStates]:

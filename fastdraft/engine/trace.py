@@ -16,6 +16,8 @@ class RolloutTrace:
     tokens: list[int] = field(default_factory=list)      # tokens each step produced
     drafting: list[int] = field(default_factory=list)    # rows that verified a tree
     end: float = 0.0
+    prefill_tokens: int = 0     # prompt tokens of every prefilled row
+    prefill_computed: int = 0   # of them computed: a group's equal prompts once (prefix_share)
 
     def record(self, num_active: int) -> None:
         self.times.append(time.perf_counter())

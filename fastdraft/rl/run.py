@@ -156,7 +156,10 @@ class Run:
                "rollout/time_s": trace.time_s, "rollout/tail_time_s": trace.tail_time_s(),
                "rollout/tokens_per_s": sum(lengths) / max(trace.time_s, 1e-9),
                "rollout/response_len_mean": sum(lengths) / len(lengths),
-               "rollout/response_len_max": float(max(lengths))}
+               "rollout/response_len_max": float(max(lengths)),
+               # prompt tokens prefilled, and of them computed (a group's prompt once)
+               "rollout/prefill_tokens": float(trace.prefill_tokens),
+               "rollout/prefill_computed_tokens": float(trace.prefill_computed)}
         if self.engine.spec.enabled:   # not after a health fallback
             out.update(stats.as_metrics())
             out["rollout/sd_fraction"] = trace.sd_fraction
