@@ -1,6 +1,6 @@
 """`fastdraft bench WHICH`: its arguments and the dispatch to each bench (engine, spec, gpu,
-recipe, drafter, rollout). cli.py registers it; torch and the benches load inside the runner so
-`--help` stays fast."""
+recipe, drafter, rollout, cluster, kv). cli.py registers it; torch and the benches load inside
+the runner so `--help` stays fast."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ if TYPE_CHECKING:  # annotations only
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
-                                     "cluster"],
+                                     "cluster", "kv"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
-                   help="recipe, drafter, rollout, cluster: RECIPE.yaml [section.key=value ...] "
-                        "(default: recipes/tiny-grpo.yaml)")
+                   help="recipe, drafter, rollout, cluster, kv: RECIPE.yaml "
+                        "[section.key=value ...] (default: recipes/tiny-grpo.yaml)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -26,7 +26,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats (rollout: rounds after the warm-up round)")
+                   help="timed repeats (rollout, kv: rounds after the warm-up round)")
     p.add_argument("--compile", action="store_true",
                    help="spec: torch.compile every method's steps (slow to warm up)")
     p.add_argument("--no-compile", action="store_true",
@@ -70,7 +70,7 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
-    if args.which in ("recipe", "drafter", "rollout", "cluster"):
+    if args.which in ("recipe", "drafter", "rollout", "cluster", "kv"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
@@ -101,17 +101,24 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_from_recipe(args: argparse.Namespace) -> int:
-    """`bench recipe | drafter | rollout | cluster`: a recipe (default: the tiny one) and
+    """`bench recipe | drafter | rollout | cluster | kv`: a recipe (default: the tiny one) and
     overrides."""
-    from fastdraft.bench import cluster_bench, drafter_bench, recipe_bench, rollout_bench
+    from fastdraft.bench import (
+        cluster_bench,
+        drafter_bench,
+        kv_bench,
+        recipe_bench,
+        rollout_bench,
+    )
     module, run = {"recipe": (recipe_bench, recipe_bench.run_recipe_bench),
                    "drafter": (drafter_bench, drafter_bench.run_drafter_bench),
                    "rollout": (rollout_bench, rollout_bench.run_rollout_bench),
-                   "cluster": (cluster_bench, cluster_bench.run_cluster_bench)}[args.which]
+                   "cluster": (cluster_bench, cluster_bench.run_cluster_bench),
+                   "kv": (kv_bench, kv_bench.run_kv_bench)}[args.which]
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
-    extra = ({"rounds": args.repeats} if args.which == "rollout" else
+    extra = ({"rounds": args.repeats} if args.which in ("rollout", "kv") else
              {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below}
              if args.which == "cluster" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),

@@ -26,7 +26,7 @@ from typing import Any
 from fastdraft.bench.common import write_json
 from fastdraft.bench.row_costs import row_costs
 from fastdraft.bench.row_costs import summary_line as row_summary
-from fastdraft.config import load_recipe
+from fastdraft.config import RunConfig, load_recipe
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import OFF, arm_name
@@ -46,14 +46,8 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
                          "speculative arms, set one (e.g. rollout.spec.method=eagle)")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    policy_dir = resolve_policy(cfg, cache_dir)
-    drafter = resolve_drafter(cfg, policy_dir)
-    from transformers import AutoTokenizer
+    policy_dir, drafter, prompts = recipe_batch(cfg, cache_dir)
     max_seq_len = rollout_seq_len(cfg)
-    source = PromptSource(cfg.data, AutoTokenizer.from_pretrained(policy_dir),
-                          max_seq_len - cfg.rollout.max_new_tokens)
-    prompts = [item.ids for item in source.batch(0, cfg.rollout.prompts_per_step)
-               for _ in range(cfg.rollout.group_size)]
     tuner = cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)
     static = {arm_name(a): a for a in tuner.arms if a.enabled}
     budget = cfg.rollout.budget.build() if cfg.rollout.budget.enabled else None
@@ -74,9 +68,7 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
     traces: dict[str, list[RolloutTrace]] = defaultdict(list)
     accepts: dict[str, list[float]] = defaultdict(list)
     for round_ in range(rounds + 1):
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, max_new_tokens=cfg.rollout.max_new_tokens,
-                                seed=cfg.seed * 1_000_003 + round_ * len(prompts))
+        params = recipe_params(cfg, cfg.seed * 1_000_003 + round_ * len(prompts))
         for name, engine in engines.items():
             start = time.perf_counter()
             engine.generate(prompts, params, use_tqdm=False)
@@ -135,6 +127,26 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
 
 
 BUDGET_OFF = "adaptive_no_budget"
+
+
+def recipe_batch(cfg: RunConfig, cache_dir: Path | None
+                 ) -> tuple[Path, Path | None, list[list[int]]]:
+    """(policy dir, drafter dir, the first RL step's prompts x group_size, groups together) of
+    a recipe, as its run would roll them out."""
+    from transformers import AutoTokenizer
+    policy_dir = resolve_policy(cfg, cache_dir)
+    source = PromptSource(cfg.data, AutoTokenizer.from_pretrained(policy_dir),
+                          rollout_seq_len(cfg) - cfg.rollout.max_new_tokens)
+    prompts = [item.ids for item in source.batch(0, cfg.rollout.prompts_per_step)
+               for _ in range(cfg.rollout.group_size)]
+    return policy_dir, resolve_drafter(cfg, policy_dir), prompts
+
+
+def recipe_params(cfg: RunConfig, seed: int) -> SamplingParams:
+    """The recipe's rollout sampling, with `seed`."""
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, seed=seed)
 
 
 def _row_costs(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int,

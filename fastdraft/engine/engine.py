@@ -129,6 +129,9 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
               memory_plan: EnginePlan | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        # A prefill batch's equal prompts (a GRPO group) computed once (engine/prefix_share.py);
+        # False only to measure what that saves (bench kv).
+        self.share_prompts = True
         if memory_plan is None:   # an in-memory model (from_model): checked here, its weights
             memory_plan = self._plan_in_memory(model, max_batch_size, envelope, drafter, spec,
                                                proposer, capture_aux_layers,
@@ -283,7 +286,7 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         requests, start = batch.requests, batch.slot_start
         resumed = [bool(r.output_token_ids) for r in requests]
         self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
-        share = SharedPrefill.of([r.prefill_token_ids for r in requests])
+        share = SharedPrefill.of([r.prefill_token_ids for r in requests], self.share_prompts)
         logits, hidden = self.runner.prefill(share.prompts, start, self.aux_layers)
         if share.shared:   # a group's equal prompts: computed once, every row takes its own
             rows = share.rows(logits.device)

@@ -19,7 +19,10 @@ class SharedPrefill:
     source: list[int]
 
     @classmethod
-    def of(cls, prompts: list[list[int]]) -> SharedPrefill:
+    def of(cls, prompts: list[list[int]], share: bool = True) -> SharedPrefill:
+        """share=False: every row computes its own (what sharing saves is measured against)."""
+        if not share:
+            return cls(list(prompts), list(range(len(prompts))))
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(p), len(first)) for p in prompts]
         distinct = [None] * len(first)
