@@ -15,6 +15,17 @@ from fastdraft.kernels.paged_attention import check_paged_inputs
 
 
 @triton.jit
+def _fold(best, total, acc, q, k, v, valid):
+    """One online-softmax update: the cells `valid` of k / v [N, D] join the running max
+    `best`, sum of exponentials `total` and weighted sum `acc` [D]."""
+    scores = tl.where(valid, tl.sum(k * q[None, :], 1), -1.0e30)
+    best_new = tl.maximum(best, tl.max(scores, 0))
+    weights = tl.where(valid, tl.exp(scores - best_new), 0.0)
+    fade = tl.exp(best - best_new)
+    return best_new, total * fade + tl.sum(weights, 0), acc * fade + tl.sum(weights[:, None] * v, 0)
+
+
+@triton.jit
 def _paged_attention_kernel(Q, K, V, TABLES, CTX, MASK, OUT, scale,
                             s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_tb, s_mb, s_mt,
                             s_ob, s_ot, s_oh,
@@ -35,13 +46,7 @@ def _paged_attention_kernel(Q, K, V, TABLES, CTX, MASK, OUT, scale,
         at = block * s_kb + offs[:, None] * s_ks + kv_head * s_kh + d[None, :]
         k = tl.load(K + at, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(V + at, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(valid, tl.sum(k * q[None, :], 1), -1.0e30)
-        best_new = tl.maximum(best, tl.max(scores, 0))
-        weights = tl.where(valid, tl.exp(scores - best_new), 0.0)
-        fade = tl.exp(best - best_new)
-        total = total * fade + tl.sum(weights, 0)
-        acc = acc * fade + tl.sum(weights[:, None] * v, 0)
-        best = best_new
+        best, total, acc = _fold(best, total, acc, q, k, v, valid)
     # The step's own cells, one lane each.
     j = tl.arange(0, NEW_P2)
     if HAS_MASK:
@@ -54,12 +59,7 @@ def _paged_attention_kernel(Q, K, V, TABLES, CTX, MASK, OUT, scale,
     at = block[:, None] * s_kb + (cell % BLOCK)[:, None] * s_ks + kv_head * s_kh + d[None, :]
     k = tl.load(K + at, mask=sees[:, None], other=0.0).to(tl.float32)
     v = tl.load(V + at, mask=sees[:, None], other=0.0).to(tl.float32)
-    scores = tl.where(sees, tl.sum(k * q[None, :], 1), -1.0e30)
-    best_new = tl.maximum(best, tl.max(scores, 0))
-    weights = tl.where(sees, tl.exp(scores - best_new), 0.0)
-    fade = tl.exp(best - best_new)
-    total = total * fade + tl.sum(weights, 0)
-    acc = acc * fade + tl.sum(weights[:, None] * v, 0)
+    best, total, acc = _fold(best, total, acc, q, k, v, sees)
     out = acc / total
     tl.store(OUT + row * s_ob + t * s_ot + head * s_oh + d, out.to(OUT.dtype.element_ty))
 

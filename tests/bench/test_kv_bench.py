@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 
 from fastdraft.bench.kv_bench import run_kv_bench, summary_lines
+from tests.bench.recipes import eagle_rollout_recipe
 
 
 def test_kv_bench_measures_what_prompt_sharing_saves(char_policy, char_drafter, tmp_path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {char_drafter}\n"
-                      "rollout:\n  prompts_per_step: 4\n  group_size: 4\n  max_new_tokens: 12\n"
-                      "  max_batch_size: 16\n  spec:\n    method: eagle\n    depth: 3\n"
-                      "    topk: 2\n    tokens_to_verify: 4\n")
+    recipe = eagle_rollout_recipe(tmp_path, char_policy, char_drafter)
     out = run_kv_bench(recipe, [], tmp_path / "runs", tmp_path / "kv.json", rounds=1)
     tokens = out["prefill_tokens"]
     assert tokens["shared"]["rows"] == tokens["unshared"]["rows"] == tokens["unshared"][

@@ -7,15 +7,12 @@ import json
 
 from fastdraft.bench.rollout_bench import oracle_seconds, run_rollout_bench, summary_lines
 from fastdraft.engine.trace import RolloutTrace
+from tests.bench.recipes import eagle_rollout_recipe
 
 
 def test_rollout_bench_reports_every_key(char_policy, char_drafter, tmp_path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {char_drafter}\n"
-                      "rollout:\n  prompts_per_step: 4\n  group_size: 4\n  max_new_tokens: 12\n"
-                      "  max_batch_size: 16\n  spec:\n    method: eagle\n    depth: 3\n"
-                      "    topk: 2\n    tokens_to_verify: 4\n  tuner:\n    enabled: true\n"
-                      "    elastic_threshold: 8\n")
+    recipe = eagle_rollout_recipe(tmp_path, char_policy, char_drafter,
+                                  "  tuner:\n    enabled: true\n    elastic_threshold: 8\n")
     out = run_rollout_bench(recipe, [], tmp_path / "runs", tmp_path / "r.json", rounds=1)
     for key in ("none_s", "best_static_s", "adaptive_s", "adaptive_vs_none",
                 "adaptive_vs_best_static", "oracle_s"):
@@ -32,11 +29,8 @@ def test_rollout_bench_reports_every_key(char_policy, char_drafter, tmp_path):
 
 
 def test_rollout_bench_measures_budgets_on_and_off(char_policy, char_drafter, tmp_path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {char_drafter}\n"
-                      "rollout:\n  prompts_per_step: 4\n  group_size: 4\n  max_new_tokens: 12\n"
-                      "  max_batch_size: 16\n  spec:\n    method: eagle\n    depth: 3\n"
-                      "    topk: 2\n    tokens_to_verify: 4\n  budget:\n    enabled: true\n")
+    recipe = eagle_rollout_recipe(tmp_path, char_policy, char_drafter,
+                                  "  budget:\n    enabled: true\n")
     out = run_rollout_bench(recipe, [], tmp_path / "runs", None, rounds=1)
     assert set(out["contenders"]) >= {"adaptive", "adaptive_no_budget", "eagle/3/2/4+budget"}
     assert out["budget_on_vs_off"] > 0 and out["static_budget_on_vs_off"] > 0
