@@ -69,7 +69,13 @@ class MetricsLogger:
     def close(self) -> None:
         self._file.close()
         if self.wandb is not None:
+            import wandb
             self.wandb.finish()
+            # And wandb's service process ends: its run file is whole when this returns, and a
+            # run resumed in this process (a lost actor rank) opens a fresh stream under the
+            # same id rather than meeting the old one still flushing (CI once read an offline
+            # run file holding no step after such a resume).
+            wandb.teardown()
 
 
 def _plain(value: Any) -> Any:
