@@ -147,7 +147,8 @@ class RolloutPool:
         training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
         while call.pending:
             ready, _ = ray.wait(list(call.pending), num_returns=1)
-            k = (ended := call.pending.pop(ready[0])).worker
+            ended = call.pending.pop(ready[0])
+            k = ended.worker
             try:
                 part: WorkerRollout = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:

@@ -287,12 +287,7 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         resumed = [bool(r.output_token_ids) for r in requests]
         self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
         share = SharedPrefill.of([r.prefill_token_ids for r in requests], self.share_prompts)
-        logits, hidden = self.runner.prefill(share.prompts, start, self.aux_layers)
-        if share.shared:   # a group's equal prompts: computed once, every row takes its own
-            rows = share.rows(logits.device)
-            self.runner.spread_prefill(start, rows, max(len(p) for p in share.prompts))
-            logits = logits[rows]
-            hidden = HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
+        logits, hidden = self.runner.prefill_shared(share, start, self.aux_layers)
         self.last_trace.prefill_tokens += share.rows_tokens
         self.last_trace.prefill_computed += share.computed_tokens
         st = self.io.sampling.tensors.rows(start, start + len(requests))

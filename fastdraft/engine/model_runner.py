@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.prefix_share import SharedPrefill
 from fastdraft.engine.scheduler import SlotMove
 from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.accept import AcceptedBatch
@@ -60,14 +61,19 @@ class ModelRunner:
                                     aux_layers=aux_layers)
         return logits[:, 0], hidden
 
-    def spread_prefill(self, slot_start: int, rows: torch.Tensor, width: int) -> None:
-        """After a prefill of a batch's distinct prompts into slots slot_start..: slot
-        slot_start + i takes cells 0..width-1 of slot slot_start + rows[i] (its prompt's).
-        The right side is gathered before anything is written: a computed slot may also be
-        the destination of another prompt's row."""
-        end = slot_start + rows.shape[0]
+    def prefill_shared(self, share: SharedPrefill, slot_start: int,
+                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
+        """prefill() of every row of `share`, computing each distinct prompt once: slot
+        slot_start + i then takes its prompt's cells (gathered before anything is written: a
+        computed slot may also be another prompt's row), row i its logits and hidden states."""
+        logits, hidden = self.prefill(share.prompts, slot_start, aux_layers)
+        if not share.shared:
+            return logits, hidden
+        rows = share.rows(logits.device)
+        width, end = max(len(p) for p in share.prompts), slot_start + rows.shape[0]
         self.kv_cache[:, :, slot_start:end, :, :width] = \
             self.kv_cache[:, :, slot_start + rows, :, :width]
+        return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
                sees_all: bool = False, aux_layers: tuple[int, ...] = ()
