@@ -12,6 +12,7 @@ with the run (utils/process.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -61,6 +62,31 @@ def interrupt_on_sigterm() -> None:
         raise Interrupted(signum)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handle)
+        resend_swallowed_stops()
+
+
+def resend_swallowed_stops() -> None:
+    """A stop raised while Python runs a finalizer (a `__del__` the garbage collector called, a
+    weakref callback) cannot leave it: Python prints "Exception ignored in ..." and goes on, and
+    the run would finish the work it was told to stop (seen in CI: a SIGTERM landed in a regex
+    object's `__del__`). The unraisable hook sends such a stop's signal again from a helper
+    thread, so the main thread meets it after the finalizer, where it can unwind."""
+    previous = sys.unraisablehook
+    if getattr(previous, "resends_stops", False):
+        return
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        err = unraisable.exc_value
+        signum = (err.signum if isinstance(err, Interrupted)
+                  else signal.SIGINT if isinstance(err, KeyboardInterrupt) else None)
+        if signum is None:
+            previous(unraisable)
+            return
+        resend = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+        resend.daemon = True
+        resend.start()
+    hook.resends_stops = True   # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class StopRequest:

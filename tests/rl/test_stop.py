@@ -4,6 +4,8 @@ and its checkpoint fit in the grace period, else abandons it at once; a second o
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -69,3 +71,30 @@ def test_an_abandoned_step_kills_the_helpers_before_it_unwinds():
         finally:
             order.append("unwound")
     assert order == ["helpers killed", "unwound"]
+
+
+_STOP_IN_A_FINALIZER = """
+import gc, os, signal, time
+from fastdraft.rl.stop import Interrupted, interrupt_on_sigterm
+interrupt_on_sigterm()
+
+class Finalized:
+    def __del__(self):   # the signal lands here, where a raise cannot leave
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+try:
+    Finalized()
+    gc.collect()
+    time.sleep(5)
+    print("finished")
+except Interrupted as stop:
+    print("interrupted", stop.signum)
+"""
+
+
+def test_a_stop_that_lands_in_a_finalizer_is_not_lost():
+    done = subprocess.run([sys.executable, "-c", _STOP_IN_A_FINALIZER], capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["interrupted", str(int(signal.SIGTERM))], done
+    assert "Exception ignored" not in done.stderr, done.stderr
