@@ -193,6 +193,7 @@ class RolloutPool:
                 stats.merge(part.stats)
                 trace.prefill_tokens += part.trace.prefill_tokens
                 trace.prefill_computed += part.trace.prefill_computed
+                trace.preemptions += part.trace.preemptions
                 base = part.start - part.trace.times[0] if part.trace.times else part.start
                 events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
                     part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,

@@ -1,12 +1,13 @@
-"""RolloutEngine: continuous-batching generation over the slot KV cache, speculative when asked.
+"""RolloutEngine: continuous-batching generation over a paged KV cache (engine/paged_kv.py;
+kv_block_size=0: static slots), speculative when asked.
 
 step() = schedule -> propose -> verify -> accept -> postprocess (the speculative step lives in
-engine/spec_step.py). Without speculation "propose" is empty and "verify" is a plain decode
-step. Every step is graph-static: its inputs are copied into static buffers padded to a batch
-bucket and a context bucket, the device work runs as a few stages (captured as CUDA graphs on a
-GPU, eager elsewhere: the same code), and its results come back in one transfer. A callback
-receives each request the moment it finishes (the DataBuffer listens), long before the batch's
-tail is done.
+engine/spec_step.py, prefill and plain decode in engine/plain_step.py). Without speculation
+"propose" is empty and "verify" is a plain decode step. Every step is graph-static: its inputs are
+copied into static buffers padded to a batch bucket and a context bucket, the device work runs as a
+few stages (captured as CUDA graphs on a GPU, eager elsewhere: the same code), and its results come
+back in one transfer. A callback receives each request the moment it finishes (the DataBuffer
+listens), long before the batch's tail is done.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ from tqdm.auto import tqdm
 from fastdraft.engine.buckets import BucketPlan
 from fastdraft.engine.capture import (
     HiddenSink,
-    commit_starts,
     emit_request_records,
     forward_aux_layers,
 )
-from fastdraft.engine.draws import sample_next
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.memory_plan import (
@@ -37,10 +36,9 @@ from fastdraft.engine.memory_plan import (
 )
 from fastdraft.engine.migration import Handoff, Inbox, MigratedRequest
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.prefix_share import SharedPrefill
+from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
+from fastdraft.engine.plain_step import PlainSteps
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
-from fastdraft.engine.rng import Stream, uniform_keyed
-from fastdraft.engine.sampler import sample
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler, SlotMove
 from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
@@ -50,7 +48,7 @@ from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.spec.tuner import OFF, TunerConfig, arm_name, check_tuner
 from fastdraft.engine.spec_step import SpeculativeStep
-from fastdraft.engine.step_io import SamplingMode, StepIO
+from fastdraft.engine.step_io import StepIO
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.engine.updates import BetweenSteps
 from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model
@@ -58,7 +56,7 @@ from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model
 OnFinish = Callable[[Completion], None]
 
 
-class RolloutEngine(SpeculativeStep, BetweenSteps):
+class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
     """graphs: capture steps as CUDA graphs (default: on for CUDA devices, off elsewhere);
     buckets: the batch / context padding ladders (default: graph ladders when graphs are on,
     exact sizes otherwise)."""
@@ -70,9 +68,12 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
                  graphs: bool | None = None, buckets: BucketPlan | None = None,
                  capture_aux_layers: tuple[int, ...] = (),
                  tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
-                 memory_reserve: int = 0) -> None:
+                 memory_reserve: int = 0, kv_block_size: int = KV_BLOCK_SIZE,
+                 kv_blocks: int | None = None) -> None:
         """memory_reserve: bytes to leave free on the device for others sharing it (a run's
-        actor rank 0: rl/memory_plan.py RunPlan.engine_reserve)."""
+        actor rank 0: rl/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
+        block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
+        what static slots would hold, so no request ever waits for blocks)."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
@@ -81,13 +82,15 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
                            num_slots=max_batch_size, dtype=dtype, device=device, spec=spec,
                            drafter=DrafterShape.read(drafter),
                            capture_aux_layers=capture_aux_layers,
-                           max_prefill_tokens=max_prefill_tokens, graphs=graphs)
+                           max_prefill_tokens=max_prefill_tokens, graphs=graphs,
+                           kv_block_size=kv_block_size, kv_blocks=kv_blocks)
         check_engine_fits(plan, device, reserved=memory_reserve)
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    generation_eos(Path(model_path)), drafter, spec, compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
-                   budget=budget, memory_plan=plan)
+                   budget=budget, memory_plan=plan, kv_block_size=kv_block_size,
+                   kv_blocks=kv_blocks)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -97,7 +100,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
                    proposer: Proposer | None = None, share_weights: bool = False,
                    capture_aux_layers: tuple[int, ...] = (),
                    tuner: TunerConfig | None = None,
-                   budget: BudgetConfig | None = None) -> RolloutEngine:
+                   budget: BudgetConfig | None = None, kv_block_size: int = KV_BLOCK_SIZE,
+                   kv_blocks: int | None = None) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -117,7 +121,7 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
                      spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner,
-                     budget)
+                     budget, kv_block_size=kv_block_size, kv_blocks=kv_blocks)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
@@ -126,7 +130,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
               buckets: BucketPlan | None = None, proposer: Proposer | None = None,
               capture_aux_layers: tuple[int, ...] = (),
               tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
-              memory_plan: EnginePlan | None = None) -> None:
+              memory_plan: EnginePlan | None = None, kv_block_size: int = KV_BLOCK_SIZE,
+              kv_blocks: int | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         # A prefill batch's equal prompts (a GRPO group) computed once (engine/prefix_share.py);
@@ -135,7 +140,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         if memory_plan is None:   # an in-memory model (from_model): checked here, its weights
             memory_plan = self._plan_in_memory(model, max_batch_size, envelope, drafter, spec,
                                                proposer, capture_aux_layers,
-                                               max_prefill_tokens, graphs)
+                                               max_prefill_tokens, graphs, kv_block_size,
+                                               kv_blocks)
         self.memory_plan = memory_plan
         self.tuner = check_tuner(tuner, spec)
         self.budget = LengthBudget(budget) if budget is not None and spec.enabled else None
@@ -146,7 +152,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         self.max_prefill_tokens = max(max_prefill_tokens, envelope.max_seq_len)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(extra_eos)
         self.spec = spec
-        self.runner = ModelRunner(model, envelope, max_batch_size, compile)
+        self.runner = ModelRunner(model, envelope, max_batch_size, compile, kv_block_size,
+                                  kv_blocks)
         self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
                                                             envelope, compile)
         # One set of aux layers per forward serves the proposer and the hidden-state capture.
@@ -178,7 +185,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
     def _plan_in_memory(model: CausalLM, max_batch_size: int, envelope: Envelope,
                         drafter: str | Path | None, spec: SpecConfig, proposer: Proposer | None,
                         capture_aux_layers: tuple[int, ...], max_prefill_tokens: int,
-                        graphs: bool | None) -> EnginePlan:
+                        graphs: bool | None, kv_block_size: int,
+                        kv_blocks: int | None) -> EnginePlan:
         """from_model's plan, checked with what is in memory already: the weights, and a given
         proposer's drafter and caches."""
         param = next(model.parameters())
@@ -186,7 +194,8 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
                            dtype=param.dtype, device=param.device, spec=spec,
                            drafter=DrafterShape.read(drafter, proposer),
                            capture_aux_layers=capture_aux_layers,
-                           max_prefill_tokens=max_prefill_tokens, graphs=graphs)
+                           max_prefill_tokens=max_prefill_tokens, graphs=graphs,
+                           kv_block_size=kv_block_size, kv_blocks=kv_blocks)
         resident = plan.weights + (plan.drafter_weights + plan.drafter_kv
                                    if proposer is not None else 0)
         check_engine_fits(plan, param.device, resident=resident)
@@ -218,7 +227,11 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
         handoff = Handoff(self.config.vocab_size, self.max_seq_len, self.eos_token_ids, inbox,
                           yield_below, should_yield)
         requests += handoff.receive(resume or [])
-        scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens)
+        pages = self.runner.pages
+        if pages is not None:
+            pages.reset()   # whatever a broken call left, no request holds now
+        scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens,
+                              pages if pages is not None and pages.bounded else None)
         for request in requests:
             scheduler.add(request)
         self.last_stats, self.last_migrated = SpecStats(), []
@@ -265,51 +278,45 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
     @torch.inference_mode()
     def step(self, scheduler: Scheduler) -> list[Request]:
         batch = scheduler.schedule()
+        pages = self.runner.pages
+        if batch.phase is Phase.DECODE and pages is not None and pages.bounded:
+            batch = self._make_room(scheduler, batch)
         if batch.phase is Phase.PREFILL:
             self.last_arm, self.last_num_drafting = "prefill", 0
             finished = self._prefill(scheduler, batch)
         else:
             finished = self._generate_step(scheduler, batch)
+        if pages is not None:   # finished requests' blocks back before their slots refill
+            pages.release([r.slot for r in finished])
         self._move(scheduler.take_moves())  # keep the running requests in slots 0..n-1
+        if pages is not None:   # a tree's rejected cells give their blocks back
+            pages.trim({r.slot: r.num_tokens - 1 for r in scheduler.running})
         return finished
+
+    def _make_room(self, scheduler: Scheduler, batch: ScheduledBatch) -> ScheduledBatch:
+        """Paged KV: while the free blocks cannot cover this step's writes (every row's next
+        token and the largest draft tree's cells), the running request that has made the least
+        progress is preempted: its blocks are freed, and it waits to be recomputed."""
+        pages = self.runner.pages
+        assert pages is not None
+        tree = self.envelope.cache_len - self.envelope.max_seq_len
+        while True:
+            ends = [r.num_tokens + tree for r in scheduler.running]
+            if pages.blocks_to_write(ends) <= pages.num_free or len(scheduler.running) == 1:
+                break
+            victim = min(reversed(scheduler.running), key=lambda r: len(r.output_token_ids))
+            pages.release([victim.slot])
+            self.proposer.on_preempt(victim)   # its drafter state is rebuilt on resuming
+            scheduler.preempt(victim)
+            self._move(scheduler.take_moves())
+            self.last_trace.preemptions += 1
+        return ScheduledBatch(Phase.DECODE, list(scheduler.running))
 
     def _move(self, moves: list[SlotMove]) -> None:
         if moves:
             self.runner.move(moves)
             self.proposer.move(moves)
             self.io.sampling.move(moves)
-
-    def _prefill(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
-        """Prefills admitted requests and samples their first tokens. A resumed (migrated)
-        request prefills all its tokens but the last and samples nothing: its last token is
-        the root of its next step (engine/migration.py)."""
-        requests, start = batch.requests, batch.slot_start
-        resumed = [bool(r.output_token_ids) for r in requests]
-        self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
-        share = SharedPrefill.of([r.prefill_token_ids for r in requests], self.share_prompts)
-        logits, hidden = self.runner.prefill_shared(share, start, self.aux_layers)
-        self.last_trace.prefill_tokens += share.rows_tokens
-        self.last_trace.prefill_computed += share.computed_tokens
-        st = self.io.sampling.tensors.rows(start, start + len(requests))
-        mode = SamplingMode.of(requests)
-        uniforms = None
-        if mode is not SamplingMode.GREEDY:  # counter: the first token's position (prompt length)
-            lens = torch.tensor([[r.prefill_len] for r in requests], device=st.keys.device)
-            uniforms = uniform_keyed(st.key(Stream.SAMPLE), lens).squeeze(1)
-        tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
-        tokens = Handoff.first_tokens(requests, tokens)
-        if self.spec.enabled:
-            self.proposer.on_prefill(Handoff.prefill_views(requests), hidden, start, tokens)
-        rows = [[] if old else [(int(t), lp)] for (t, lp), old in zip(
-            torch.stack([tokens.double(), logprobs.double()], 1).tolist(), resumed)]
-        finished = self._postprocess(scheduler, batch, [[t for t, _ in r] for r in rows],
-                                     [[lp for _, lp in r] for r in rows])
-        if self.spec.enabled:   # as a fresh request hands its first token, a resumed one all
-            for r in (r for r, old in zip(requests, resumed) if old):
-                self.proposer.on_tokens(r, r.output_token_ids)
-        if self.hidden_sink is not None:  # every prefilled position, paired with the next token
-            self._capture(requests, [0] * len(requests), hidden)
-        return finished
 
     def _generate_step(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """One decode or speculative step: the spec's tree, or the tuner's arm for this batch
@@ -332,46 +339,10 @@ class RolloutEngine(SpeculativeStep, BetweenSteps):
             self.tuner.record(cfg, self.last_num_tokens, num_spec, elapsed)
         return finished
 
-    def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
-        """A plain decode step. With a drafter on device (speculation switched off for this
-        step) the drafter is fed the sampled tokens and the policy's hidden states, so the
-        next speculative step drafts from a cache in step: no re-prefill, no lost acceptance."""
-        requests = batch.requests
-        size = self.buckets.batch_bucket(len(requests))
-        lengths = [r.num_tokens for r in requests]
-        ctx_len = self.buckets.context_bucket(max(lengths))
-        # Every row ends at the last cell and none is padding: no mask needed (exact buckets).
-        sees_all = size == len(requests) and min(lengths) == ctx_len
-        mode = SamplingMode.of(requests)
-        capture = self.hidden_sink is not None
-        feed = self.spec.enabled and self.proposer.drafts_on_device
-        keep = capture or feed
-        self.io.load([r.last_token_id for r in requests], [n - 1 for n in lengths], size)
-        self.graphs.run(("decode", size, ctx_len, mode, sees_all, keep),
-                        lambda: self._decode_stage(size, ctx_len, mode, sees_all, keep))
-        if feed:  # the drafter's cell of the new token sits one past the policy's context
-            commit_ctx = self.buckets.context_bucket(max(lengths) + 1)
-            self.graphs.run(("commit", size, commit_ctx, 1),
-                            lambda: self.proposer.commit(self.io, size, commit_ctx, width=1))
-        rows = self.io.read_out(len(requests))
-        num_before = [len(r.output_token_ids) for r in requests]
-        finished = self._postprocess(scheduler, batch, [[int(r[0])] for r in rows],
-                                     [[r[1]] for r in rows])
-        if capture:
-            self._capture(requests, commit_starts(requests, num_before))
-        return finished
-
-    def _decode_stage(self, size: int, ctx_len: int, mode: SamplingMode,
-                      sees_all: bool = False, keep_hidden: bool = False) -> None:
-        io = self.io
-        positions = io.root_pos[:size]
-        logits, hidden = self.runner.decode(io.root_ids[:size], positions, ctx_len, sees_all,
-                                            self.aux_layers if keep_hidden else ())
-        tokens, logprobs = sample_next(logits, positions, io.sampling.rows(size), mode)
-        if keep_hidden:  # for the capture and the drafter's commit
-            io.keep_decoded(tokens, hidden)
-        io.out[:size, 0] = tokens
-        io.out[:size, 1] = logprobs
+    def reserve_cells(self, ends: list[int]) -> None:
+        """Paged KV: row b's blocks cover cells up to ends[b] - 1 before a step writes them."""
+        if self.runner.pages is not None:
+            self.runner.pages.reserve(ends)
 
     def _postprocess(self, scheduler: Scheduler, batch: ScheduledBatch,
                      token_ids: list[list[int]], logprobs: list[list[float]]) -> list[Request]:

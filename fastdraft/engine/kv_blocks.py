@@ -60,13 +60,15 @@ class BlockPool:
     def refs(self, block: int) -> int:
         return self._refs[block]
 
-    def admit(self, prompt: Sequence[int], reserve_cells: int = 0) -> BlockTable | None:
+    def admit(self, prompt: Sequence[int], reserve_cells: int = 0,
+              share: bool = True) -> BlockTable | None:
         """A new request's table holding its prompt's cells: blocks a live request with the same
         prompt start holds are shared, the rest taken from the free list. None (nothing taken)
         when the free blocks do not cover the new ones plus `reserve_cells` more cells (room
-        to decode: admission that leaves none preempts at once)."""
+        to decode: admission that leaves none preempts at once). share=False: new blocks,
+        not indexed (a caller that shares by fork)."""
         size, found, previous = self.block_size, [], -1
-        for begin in range(0, len(prompt), size):
+        for begin in range(0, len(prompt) if share else 0, size):
             block = self._index.get((previous, tuple(prompt[begin: begin + size])))
             if block is None:
                 break
@@ -80,11 +82,19 @@ class BlockPool:
             self._refs[block] += 1
         for begin in range(len(found) * size, len(prompt), size):
             block = self._take()
-            key = (previous, tuple(prompt[begin: begin + size]))
-            self._index[key], self._key[block] = block, key
+            if share:
+                key = (previous, tuple(prompt[begin: begin + size]))
+                self._index[key], self._key[block] = block, key
             table.blocks.append(block)
             previous = block
         return table
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second request with the same cells (a GRPO group's next sample of a prompt just
+        prefilled): every block by reference, copied on its first write."""
+        for block in table.blocks:
+            self._refs[block] += 1
+        return BlockTable(list(table.blocks), table.num_cells)
 
     def shared_cells(self, table: BlockTable) -> int:
         """How many leading cells of a just-admitted table another request already holds (its
@@ -104,12 +114,10 @@ class BlockPool:
         start = table.num_cells
         if end <= start:
             return []
-        first, last = start // self.block_size, (end - 1) // self.block_size
-        written = table.blocks[first: last + 1]
-        copies = sum(1 for b in written if self._refs[b] > 1)
-        grow = last + 1 - len(table.blocks)
-        if copies + max(grow, 0) > len(self._free):
+        if self.blocks_to_write(table, end) > len(self._free):
             return None
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        grow = last + 1 - len(table.blocks)
         out = []
         for i in range(first, min(last + 1, len(table.blocks))):
             block = table.blocks[i]
@@ -124,6 +132,16 @@ class BlockPool:
             table.blocks.append(self._take())
         table.num_cells = end
         return out
+
+    def blocks_to_write(self, table: BlockTable, end: int) -> int:
+        """Free blocks prepare_write(table, end) takes: new ones past the table's end and
+        private copies of the shared ones it writes into."""
+        start = table.num_cells
+        if end <= start:
+            return 0
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        copies = sum(1 for b in table.blocks[first: last + 1] if self._refs[b] > 1)
+        return copies + max(last + 1 - len(table.blocks), 0)
 
     def truncate(self, table: BlockTable, num_cells: int) -> None:
         """The table holds only cells [0, num_cells) (a draft tree's rejected cells): blocks past

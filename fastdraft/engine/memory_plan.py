@@ -5,9 +5,12 @@ device cannot hold is refused before anything is allocated.
 What it counts (EnginePlan):
 - weights: the policy in the serving dtype and its fp32 rotary tables (packing q/k/v and
   gate/up re-points the parameters at views of the packed matrices: no second copy stays);
-- kv_cache: [layers, 2, slots, kv_heads, cache_len, head_dim] (model_runner.py), static: every
-  slot is sized for the longest sequence (prompt + answer + a tree's cells), however short
-  its answer turns out (a paged cache would hold only what answers use);
+- kv_cache: paged (engine/paged_kv.py): [layers, 2, kv_blocks + 1, block_size, kv_heads,
+  head_dim] and the block tables [slots, cache_len / block_size]; kv_blocks defaults to what
+  static slots would hold (every slot sized for the longest sequence: prompt + answer + a
+  tree's cells), or is set smaller (rollout.kv_cache_gb: answers use far less; requests then
+  wait for blocks, and one is preempted when they run out). Static slots (block size 0):
+  [layers, 2, slots, kv_heads, cache_len, head_dim];
 - drafter_weights: EAGLE's own layers (it borrows the policy's embedding and lm_head) and its
   draft head's rows of a draft vocabulary; drafter_kv: its one layer's slot cache and the
   slots' root features;
@@ -94,14 +97,35 @@ class EngineShape:
     num_aux: int = 0                    # policy layers whose inputs a step keeps
     max_prefill_tokens: int = 16384
     graphs: bool = False
+    kv_block_size: int = 0              # 0: static slots
+    kv_blocks: int | None = None        # None: what static slots would hold
+
+    @property
+    def kv_cell(self) -> int:
+        """Bytes of one cache cell: K and V of every layer."""
+        cfg = self.config
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize * (
+            cfg.num_hidden_layers)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        return self.num_slots * -(-self.envelope.cache_len // self.kv_block_size)
+
+    def _kv_cache(self) -> int:
+        if not self.kv_block_size:
+            return self.num_slots * self.envelope.cache_len * self.kv_cell
+        max_blocks = -(-self.envelope.cache_len // self.kv_block_size)
+        return ((self.num_kv_blocks + 1) * self.kv_block_size * self.kv_cell
+                + self.num_slots * max_blocks * _LONG)
 
     def plan(self) -> EnginePlan:
         cfg, env, slots, width = self.config, self.envelope, self.num_slots, self.dtype.itemsize
         kv_cell = 2 * cfg.num_key_value_heads * cfg.head_dim * width   # K and V, one layer
         drafter_kv = (slots * (env.cache_len * kv_cell + cfg.hidden_size * width)
                       if self.drafts_on_device else 0)
-        return EnginePlan(shape=self, weights=self.weights,
-                          kv_cache=cfg.num_hidden_layers * slots * env.cache_len * kv_cell,
+        return EnginePlan(shape=self, weights=self.weights, kv_cache=self._kv_cache(),
                           drafter_weights=self.drafter_weights, drafter_kv=drafter_kv,
                           step_buffers=self._step_buffers(), **self._scratch())
 
@@ -193,7 +217,12 @@ class EnginePlan:
                 f"{s.num_slots} slots x {s.envelope.cache_len} cells): {gb(self.total)}")
         if capacity is not None:
             head += f" of {capacity.describe()}"
-        parts = [f"weights {gb(self.weights)}", f"KV cache {gb(self.kv_cache)}"]
+        kv = f"KV cache {gb(self.kv_cache)}"
+        if s.kv_block_size:
+            cells = s.num_kv_blocks * s.kv_block_size
+            kv += (f" paged ({s.num_kv_blocks} blocks of {s.kv_block_size} cells: "
+                   f"{cells // s.envelope.cache_len} longest sequences at once)")
+        parts = [f"weights {gb(self.weights)}", kv]
         if s.drafts_on_device:
             parts.append(f"drafter {gb(self.drafter_weights)} + KV {gb(self.drafter_kv)}")
         parts.append(f"step buffers {gb(self.step_buffers)}")
@@ -206,6 +235,8 @@ class EnginePlan:
         return {"device": self.shape.device,
                 "dtype": str(self.shape.dtype).removeprefix("torch."),
                 "num_slots": self.shape.num_slots, "cache_len": self.shape.envelope.cache_len,
+                "kv_block_size": self.shape.kv_block_size,
+                "kv_blocks": self.shape.num_kv_blocks if self.shape.kv_block_size else 0,
                 "weights": self.weights, "kv_cache": self.kv_cache,
                 "drafter_weights": self.drafter_weights, "drafter_kv": self.drafter_kv,
                 "step_buffers": self.step_buffers, "graph_pool": self.graph_pool,
@@ -215,7 +246,8 @@ class EnginePlan:
 def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                 dtype: torch.dtype, device: str | torch.device, spec: SpecConfig,
                 drafter: DrafterShape | None = None, capture_aux_layers: tuple[int, ...] = (),
-                max_prefill_tokens: int = 16384, graphs: bool | None = None) -> EnginePlan:
+                max_prefill_tokens: int = 16384, graphs: bool | None = None,
+                kv_block_size: int = 0, kv_blocks: int | None = None) -> EnginePlan:
     """The plan of RolloutEngine(...) with these settings; drafter: the EAGLE drafter's shape
     when spec drafts with one (None: no drafter memory is planned)."""
     device = str(torch.device(device))
@@ -235,7 +267,8 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                         device=device, weights=weights, drafter_weights=drafter_weights,
                         drafts_on_device=eagle is not None, num_aux=len(aux),
                         max_prefill_tokens=max(max_prefill_tokens, envelope.max_seq_len),
-                        graphs=device.startswith("cuda") if graphs is None else graphs)
+                        graphs=device.startswith("cuda") if graphs is None else graphs,
+                        kv_block_size=kv_block_size, kv_blocks=kv_blocks)
     return shape.plan()
 
 
@@ -247,14 +280,23 @@ def check_engine_plan(plan: EnginePlan, capacity: Capacity, resident: int = 0) -
         return
     budget = capacity.usable + resident
     s = plan.shape
-    cell = plan.kv_cache // max(s.num_slots * s.envelope.cache_len, 1)
     need = plan.total - resident
+    if s.kv_blocks is not None:
+        kv_what = (f"{s.kv_blocks} blocks of {s.kv_block_size} cells x {gb(s.kv_cell)}: "
+                   "rollout.kv_cache_gb")
+    else:
+        kv_what = (f"{s.num_slots} slots x {s.envelope.cache_len} cells x {gb(s.kv_cell)}: "
+                   "every slot holds the longest sequence")
     message = (f"the engine's memory plan needs {gb(need)} more, but {capacity.describe()}"
-               f"; its KV cache alone is {gb(plan.kv_cache)} ({s.num_slots} slots x "
-               f"{s.envelope.cache_len} cells x {gb(cell)}: every slot holds the longest "
-               "sequence). ")
-    slots, seq_len = plan.max_slots_within(budget), plan.max_seq_len_within(budget)
+               f"; its KV cache alone is {gb(plan.kv_cache)} ({kv_what}). ")
     fixes = []
+    kv_room = budget - (plan.total - plan.kv_cache)
+    if s.kv_block_size and kv_room > 0:
+        fixes.append(f"rollout.kv_cache_gb to <= {kv_room / 1e9:.1f} (the paged cache's size: "
+                     "requests wait for blocks, and the least advanced is preempted and "
+                     "recomputed when answers outgrow it)")
+    slots = plan.max_slots_within(budget) if s.kv_blocks is None else 0
+    seq_len = plan.max_seq_len_within(budget) if s.kv_blocks is None else 0
     if slots:
         fixes.append(f"rollout.max_batch_size (the engine's max_batch_size) to <= {slots} "
                      f"(slots that fit at max_seq_len {s.envelope.max_seq_len})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.paged_kv import PagedKV
 from fastdraft.engine.prefix_share import SharedPrefill
 from fastdraft.engine.scheduler import SlotMove
 from fastdraft.engine.slot_state import move_slots
@@ -24,40 +25,56 @@ class ModelRunner:
     capture (engine/graphs.py) then replays the compiled kernels."""
 
     def __init__(self, model: CausalLM, envelope: Envelope, num_slots: int,
-                 compile: bool = False) -> None:
+                 compile: bool = False, block_size: int = 0,
+                 num_blocks: int | None = None) -> None:
+        """block_size > 0: the policy's KV in a paged pool of num_blocks blocks (None: as many
+        as static slots would hold; engine/paged_kv.py); 0: every slot owns cache_len cells."""
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
         cfg = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.envelope = envelope
+        self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
+                              self.dtype, self.device) if block_size else None)
         # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads,
-                                    envelope.cache_len, cfg.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        self.kv_cache = self.pages.kv if self.pages is not None else torch.zeros(
+            cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, envelope.cache_len,
+            cfg.head_dim, dtype=self.dtype, device=self.device)
         self.k_cache = list(self.kv_cache[:, 0].unbind(0))
         self.v_cache = list(self.kv_cache[:, 1].unbind(0))
 
-    def kv(self, slot_start: int = 0, num_rows: int = 0) -> KVView:
-        row_ids = (torch.arange(num_rows, device=self.device).unsqueeze(1) if num_rows
-                   else None)
-        return KVView(self.k_cache, self.v_cache, slot_start, row_ids)
+    def kv(self, slot_start: int, attn: AttnMeta, rows: torch.Tensor | None = None) -> KVView:
+        """The cache of rows slot_start.. for a forward writing attn.cache_positions [B, T]
+        (paged: the table rows `rows` [B] instead, when given)."""
+        positions = attn.cache_positions
+        assert positions is not None
+        num_rows = positions.shape[0]
+        if self.pages is None:
+            row_ids = torch.arange(num_rows, device=self.device).unsqueeze(1)
+            return KVView(self.k_cache, self.v_cache, slot_start, row_ids)
+        table = (self.pages.table[rows] if rows is not None
+                 else self.pages.table[slot_start: slot_start + num_rows])
+        return KVView(self.k_cache, self.v_cache, table=table,
+                      write_at=self.pages.cells(table, positions))
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot_start: int,
-                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
-        """Right-padded batched prefill of slots slot_start.. -> (last prompt token's logits
-        [B, V], hidden states of every prompt token [B, T, H]). Padding writes junk K/V past each
-        prompt's end, which decode overwrites before anything reads it."""
+                aux_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, HiddenStates]:
+        """Right-padded batched prefill of slots slot_start.. (paged: of table rows `rows`, if
+        given) -> (last prompt token's logits [B, V], hidden states of every prompt token
+        [B, T, H]). Padding writes junk K/V past each prompt's end, which decode overwrites
+        before anything reads it (paged: past a row's blocks, into the sink)."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
         positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
         last = torch.tensor([[len(p) - 1] for p in prompts], device=self.device)
+        attn = causal_cache_meta(positions, width)
         logits, hidden = self.model(ids.to(self.device), positions,
-                                    self.kv(slot_start, len(prompts)),
-                                    causal_cache_meta(positions, width), logit_index=last,
+                                    self.kv(slot_start, attn, rows), attn, logit_index=last,
                                     aux_layers=aux_layers)
         return logits[:, 0], hidden
 
@@ -65,14 +82,22 @@ class ModelRunner:
                        aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
         """prefill() of every row of `share`, computing each distinct prompt once: slot
         slot_start + i then takes its prompt's cells (gathered before anything is written: a
-        computed slot may also be another prompt's row), row i its logits and hidden states."""
-        logits, hidden = self.prefill(share.prompts, slot_start, aux_layers)
+        computed slot may also be another prompt's row), row i its logits and hidden states.
+        Paged: each prompt's first row takes blocks and is computed, its other rows hold the
+        same blocks by reference (copied on their first write): nothing is copied here."""
+        if self.pages is not None:
+            firsts = self._admit(share, slot_start)
+            logits, hidden = self.prefill(share.prompts, slot_start, aux_layers,
+                                          torch.tensor(firsts, device=self.device))
+        else:
+            logits, hidden = self.prefill(share.prompts, slot_start, aux_layers)
         if not share.shared:
             return logits, hidden
         rows = share.rows(logits.device)
-        width, end = max(len(p) for p in share.prompts), slot_start + rows.shape[0]
-        self.kv_cache[:, :, slot_start:end, :, :width] = \
-            self.kv_cache[:, :, slot_start + rows, :, :width]
+        if self.pages is None:
+            width, end = max(len(p) for p in share.prompts), slot_start + rows.shape[0]
+            self.kv_cache[:, :, slot_start:end, :, :width] = \
+                self.kv_cache[:, :, slot_start + rows, :, :width]
         return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
@@ -84,8 +109,8 @@ class ModelRunner:
         pos = positions.unsqueeze(1)
         attn = (AttnMeta(None, cache_positions=pos, cache_len=ctx_len) if sees_all
                 else causal_cache_meta(pos, ctx_len))
-        logits, hidden = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, pos.shape[0]),
-                                      attn, aux_layers=aux_layers)
+        logits, hidden = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, attn), attn,
+                                      aux_layers=aux_layers)
         return logits[:, 0], hidden
 
     def verify(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
@@ -96,7 +121,7 @@ class ModelRunner:
         its K/V in cell root_pos + 1 + i of its own slot; each node sees its row's context and
         its own ancestors."""
         ids, pos, attn = _tree_inputs(root_ids, root_pos, drafts, ctx_len)
-        return self.forward(ids, pos, self.kv(0, ids.shape[0]), attn, aux_layers=aux_layers)
+        return self.forward(ids, pos, self.kv(0, attn), attn, aux_layers=aux_layers)
 
     def verify_split(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
                      ctx_len: int, plain_ctx_len: int, aux_layers: tuple[int, ...] = ()
@@ -111,9 +136,10 @@ class ModelRunner:
         ids, pos, attn = _tree_inputs(root_ids[:num_tree], root_pos[:num_tree], drafts, ctx_len)
         plain_pos = root_pos[num_tree:].unsqueeze(1)
         num_plain = plain_pos.shape[0]
-        groups = GroupedAttn((RowGroup(num_tree, ids.shape[1], self.kv(0, num_tree), attn),
-                              RowGroup(num_plain, 1, self.kv(num_tree, num_plain),
-                                       causal_cache_meta(plain_pos, plain_ctx_len))))
+        plain_attn = causal_cache_meta(plain_pos, plain_ctx_len)
+        groups = GroupedAttn((RowGroup(num_tree, ids.shape[1], self.kv(0, attn), attn),
+                              RowGroup(num_plain, 1, self.kv(num_tree, plain_attn),
+                                       plain_attn)))
         packed_ids = torch.cat([ids.flatten(), root_ids[num_tree:]]).unsqueeze(0)
         packed_pos = torch.cat([pos.flatten(), plain_pos.flatten()]).unsqueeze(0)
         logits, hidden = self.forward(packed_ids, packed_pos, None, groups,
@@ -137,12 +163,33 @@ class ModelRunner:
         dst = root_pos.unsqueeze(1) + 1 + j
         src = torch.where(j < accepted.num_accepted.unsqueeze(1),
                           root_pos.unsqueeze(1) + 1 + accepted.path.clamp_min(0), dst)
+        if self.pages is not None:
+            (dst_block, dst_at), (src_block, src_at) = (
+                self.pages.cells(self.pages.table[:batch], c) for c in (dst, src))
+            self.kv_cache[:, :, dst_block, dst_at] = self.kv_cache[:, :, src_block, src_at]
+            return
         rows = torch.arange(batch, device=root_pos.device).unsqueeze(1).expand(-1, depth)
         kv = self.kv_cache[:, :, :batch]
         kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]
 
     def move(self, moves: list[SlotMove]) -> None:
-        move_slots(self.kv_cache, moves, slot_dim=2, cell_dim=4)
+        if self.pages is not None:
+            self.pages.move(moves)
+        else:
+            move_slots(self.kv_cache, moves, slot_dim=2, cell_dim=4)
+
+    def _admit(self, share: SharedPrefill, slot_start: int) -> list[int]:
+        """Paged: blocks for a prefill batch's rows -> each distinct prompt's first row."""
+        assert self.pages is not None
+        firsts: list[int] = []
+        for row, source in enumerate(share.source):
+            slot = slot_start + row
+            if source == len(firsts):
+                firsts.append(slot)
+                self.pages.admit(slot, share.prompts[source])
+            else:
+                self.pages.fork(slot, firsts[source])
+        return firsts
 
 
 def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,

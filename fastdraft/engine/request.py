@@ -48,6 +48,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    preemptions: int = 0             # times its KV blocks were taken back (paged_kv.py)
     prompt_key: int = field(init=False)   # the prompt's identity across RL steps (budgets)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from fastdraft.engine.request import Request
 
@@ -48,10 +48,22 @@ class SlotMove(NamedTuple):
     num_cells: int
 
 
+class KVBlocks(Protocol):
+    """What admission asks of a paged KV cache (engine/paged_kv.py)."""
+
+    @property
+    def num_free(self) -> int: ...
+
+    def blocks_for(self, num_cells: int) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, num_slots: int, max_prefill_tokens: int) -> None:
+    def __init__(self, num_slots: int, max_prefill_tokens: int,
+                 kv: KVBlocks | None = None) -> None:
+        """kv: a paged cache's free blocks bound admission too (None: slots alone)."""
         self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # running[i].slot == i
         self._moves: list[SlotMove] = []
@@ -75,17 +87,25 @@ class Scheduler:
         prefilled shortest prompt first, in chunks of similar lengths: a chunk closes when the
         next prompt would add more padding to it than a chunk of its own costs
         (CHUNK_COST_TOKENS). RL prompts are long-tailed too: in one padded chunk, 200 prompts of
-        6-60 tokens beside 56 of up to 240 cost 3.5x their real tokens."""
+        6-60 tokens beside 56 of up to 240 cost 3.5x their real tokens.
+
+        With a paged cache, the admitted requests' blocks (a group's equal prompts count once)
+        and one block each to decode into must be free (`_blocks_to_admit`)."""
         admitted: list[Request] = []
         num_fit = min(self.num_slots - len(self.running), len(self.waiting))
         if num_fit:
             candidates = sorted((self.waiting.popleft() for _ in range(num_fit)),
                                 key=lambda r: r.prefill_len)
-            longest = 0
+            longest, blocks, seen = 0, 0, set()
             for request in candidates:   # ascending: each prompt is the chunk's longest
                 n = request.prefill_len   # a migrated request re-prefills its answer too
                 if admitted and ((len(admitted) + 1) * n > self.max_prefill_tokens
                                  or len(admitted) * (n - longest) > CHUNK_COST_TOKENS):
+                    break
+                blocks += self._blocks_to_admit(request, seen)
+                # Room for the running requests to grow a block each: admitting into the last
+                # free blocks would only preempt someone at the next step.
+                if self.kv is not None and blocks + len(self.running) > self.kv.num_free:
                     break
                 longest = n
                 request.slot = len(self.running) + len(admitted)
@@ -95,8 +115,31 @@ class Scheduler:
             self.running.extend(admitted)
             return ScheduledBatch(Phase.PREFILL, admitted)
         if not self.running:
+            if self.waiting:   # a paged cache smaller than one request (checked at build)
+                raise RuntimeError(f"no request fits the free KV blocks ({self.kv.num_free})")
             raise RuntimeError("schedule() called with no work")
         return ScheduledBatch(Phase.DECODE, list(self.running))
+
+    def _blocks_to_admit(self, request: Request, seen: set[tuple[int, ...]]) -> int:
+        """Blocks a request takes when admitted, plus one to decode into: a prompt already
+        admitted in this batch shares its blocks (engine/prefix_share.py) and needs only the
+        copy of its last, partly filled block."""
+        if self.kv is None:
+            return 0
+        tokens = tuple(request.prefill_token_ids)
+        if tokens in seen:
+            return 2
+        seen.add(tokens)
+        return self.kv.blocks_for(len(tokens)) + 1
+
+    def preempt(self, request: Request) -> None:
+        """A running request gives its slot (and the caller its KV blocks) back and waits at
+        the head of the queue; it resumes by recomputing prompt + answer (a resumed prefill,
+        engine/migration.py), continuing as it would have without the break."""
+        self._remove([request])
+        request.slot = -1
+        request.preemptions += 1
+        self.waiting.appendleft(request)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[list[int]],
                     logprobs: list[list[float]]) -> list[Request]:
@@ -104,19 +147,24 @@ class Scheduler:
         speculating); returns the requests that finished. Their slots are freed and filled
         from the top (see take_moves)."""
         finished = [r for r, t, lp in zip(batch.requests, token_ids, logprobs) if r.extend(t, lp)]
-        if finished:
-            done = {id(r) for r in finished}
-            keep = [r for r in self.running if id(r) not in done]
-            num_kept = len(keep)
-            used = {r.slot for r in keep}
-            holes = [s for s in range(num_kept) if s not in used]
-            movers = [r for r in keep if r.slot >= num_kept]
-            for request, hole in zip(movers, holes, strict=True):
-                self._moves.append(SlotMove(request.slot, hole, request.num_tokens))
-                request.slot = hole
-            keep.sort(key=lambda r: r.slot)
-            self.running = keep
+        self._remove(finished)
         return finished
+
+    def _remove(self, leaving: list[Request]) -> None:
+        """Running requests leave; the highest slots fill the holes (take_moves)."""
+        if not leaving:
+            return
+        done = {id(r) for r in leaving}
+        keep = [r for r in self.running if id(r) not in done]
+        num_kept = len(keep)
+        used = {r.slot for r in keep}
+        holes = [s for s in range(num_kept) if s not in used]
+        movers = [r for r in keep if r.slot >= num_kept]
+        for request, hole in zip(movers, holes, strict=True):
+            self._moves.append(SlotMove(request.slot, hole, request.num_tokens))
+            request.slot = hole
+        keep.sort(key=lambda r: r.slot)
+        self.running = keep
 
     def put_first(self, first: list[Request]) -> list[SlotMove]:
         """Puts the running requests `first` in slots 0..len(first)-1 (the rows a split step

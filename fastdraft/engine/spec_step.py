@@ -41,6 +41,8 @@ class SpeculativeStep:
         mode = SamplingMode.of(requests)
         width = proposer.draft_width(cfg)
         io.load([r.last_token_id for r in requests], root_pos, size + plain_size)
+        self.reserve_cells([r.num_tokens + (width if i < num_spec else 0)   # the tree's cells
+                            for i, r in enumerate(requests)])
         assert io.drafts is not None
         if proposer.drafts_on_device:
             sampled_drafts = mode is not SamplingMode.GREEDY

@@ -18,6 +18,7 @@ class RolloutTrace:
     end: float = 0.0
     prefill_tokens: int = 0     # prompt tokens of every prefilled row
     prefill_computed: int = 0   # of them computed: a group's equal prompts once (prefix_share)
+    preemptions: int = 0        # requests whose KV blocks were taken back (paged_kv.py)
 
     def record(self, num_active: int) -> None:
         self.times.append(time.perf_counter())

@@ -1,8 +1,10 @@
 """What the model needs to know about the KV cache and the attention pattern of one forward.
 
-The engine owns the cache tensors; the model reads and writes them through a KVView. Batch row b
-always uses cache slot `slot_start + b` (the engine keeps running requests in consecutive slots),
-so a read is a view, never a gather, and the same code serves eager steps and captured graphs.
+The engine owns the cache tensors; the model reads and writes them through a KVView: slot
+caches, where batch row b uses cache slot `slot_start + b` (the engine keeps running requests in
+consecutive slots, so a read is a view, never a gather), or paged ones, where row b's cells live
+in the blocks its table row names (engine/paged_kv.py). The same code serves eager steps and
+captured graphs.
 Masks are built from device tensors by the functions below: no host value enters a forward.
 """
 
@@ -16,12 +18,17 @@ import torch
 @dataclass(frozen=True, slots=True)
 class KVView:
     """Slot KV cache: k[i], v[i] are layer i's [num_slots, num_kv_heads, cache_len, head_dim];
-    batch row b reads and writes slot slot_start + b."""
+    batch row b reads and writes slot slot_start + b.
+    Paged (table set): k[i], v[i] are layer i's [num_blocks, block_size, num_kv_heads,
+    head_dim]; row b's cell c is block table[b, c // block_size] at offset c % block_size, and
+    write_at gives the (block, offset) [B, T] of the forward's new tokens (once per forward)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     slot_start: int = 0
     row_ids: torch.Tensor | None = None  # [B, 1] arange, built once per forward (not per layer)
+    table: torch.Tensor | None = None
+    write_at: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self, layer_idx: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K and V of the batch's slots, as views [B, Hkv, cache_len, D]."""

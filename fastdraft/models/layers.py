@@ -105,7 +105,9 @@ class Attention(nn.Module):
 def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
                     attn: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """Stores the new K/V in each row's slot, returns [B, Hkv, ctx_len, D] keys and values
-    (views of the cache: rows are consecutive slots)."""
+    (views of the cache: rows are consecutive slots; a paged cache gathers each row's blocks)."""
+    if kv.table is not None:
+        return _paged_write_and_read(kv, layer_idx, k, v, attn.ctx_len)
     k_cache, v_cache = kv.rows(layer_idx, k.shape[0])
     rows = kv.row_ids if kv.row_ids is not None else torch.arange(
         k.shape[0], device=k.device).unsqueeze(1)
@@ -115,6 +117,19 @@ def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     v_cache[rows, :, attn.cache_positions] = v
     ctx_len = attn.ctx_len
     return k_cache[:, :, :ctx_len], v_cache[:, :, :ctx_len]
+
+
+def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+                          ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_write_and_read over blocks: the new K/V go to their (block, offset); a row's first
+    ctx_len cells are gathered from its blocks (the torch path; kernels/ reads them in place)."""
+    assert kv.table is not None and kv.write_at is not None
+    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
+    block, offset = kv.write_at
+    k_cache[block, offset] = k.to(k_cache.dtype)
+    v_cache[block, offset] = v.to(v_cache.dtype)
+    pages = kv.table[:, : -(-ctx_len // k_cache.shape[1])]
+    return tuple(c[pages].flatten(1, 2)[:, :ctx_len].transpose(1, 2) for c in (k_cache, v_cache))
 
 
 class MLP(nn.Module):

@@ -15,6 +15,7 @@ import torch
 from fastdraft.config import RunConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
+from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.models import ModelConfig
 from fastdraft.rl.memory_plan import ActorPlan, RunPlan, check_run_plan
 from fastdraft.rl.online_drafter import trainer_aux_layers
@@ -46,7 +47,9 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
         num_slots=cfg.rollout.max_batch_size, dtype=getattr(torch, cfg.model.dtype),
         device=cfg.model.device, spec=spec, drafter=drafter,
         capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
-        graphs=cfg.rollout.graphs)
+        graphs=cfg.rollout.graphs, kv_block_size=cfg.rollout.kv_block_size,
+        kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
+                               getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
     actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)
     return RunPlan(engine=engine, actor=actor)
 

@@ -18,7 +18,8 @@ from fastdraft.checkpoint.layout import CONFIG_FILE
 FREE_ON_RESUME = (
     "name", "algorithm.num_steps", "algorithm.gate.", "logging.", "checkpoint.", "model.device",
     "rollout.max_batch_size", "rollout.spec.", "rollout.tuner.", "rollout.budget.",
-    "rollout.graphs", "rollout.compile", "actor.micro_batch_tokens", "actor.num_ranks",
+    "rollout.graphs", "rollout.compile", "rollout.kv_block_size", "rollout.kv_cache_gb",
+    "actor.micro_batch_tokens", "actor.num_ranks",
     "drafter.", "cluster.",
 )
 

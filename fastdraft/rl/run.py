@@ -22,7 +22,9 @@ from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
 from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.errors import FastdraftError, Place, check_free_space, writable_dir
+from fastdraft.models import ModelConfig
 from fastdraft.rl.actor import Actor
 from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.dashboard import draw_dashboard
@@ -159,7 +161,9 @@ class Run:
                "rollout/response_len_max": float(max(lengths)),
                # prompt tokens prefilled, and of them computed (a group's prompt once)
                "rollout/prefill_tokens": float(trace.prefill_tokens),
-               "rollout/prefill_computed_tokens": float(trace.prefill_computed)}
+               "rollout/prefill_computed_tokens": float(trace.prefill_computed),
+               # requests whose KV blocks ran out and were recomputed (engine/paged_kv.py)
+               "rollout/preemptions": float(trace.preemptions)}
         if self.engine.spec.enabled:   # not after a health fallback
             out.update(stats.as_metrics())
             out["rollout/sd_fraction"] = trace.sd_fraction
@@ -270,7 +274,11 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
         graphs=rollout.graphs and not host,
         tuner=rollout.tuner.build(rollout.spec, cfg.seed, rollout.max_batch_size)
         if rollout.tuner.enabled and not host else None,
-        budget=rollout.budget.build() if rollout.budget.enabled and not host else None)
+        budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
+        kv_block_size=rollout.kv_block_size,
+        kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
+                                                 ModelConfig.from_pretrained(policy_dir),
+                                                 DTYPES[cfg.model.dtype], rollout.kv_block_size))
 
 
 def _actor_peers(cfg: RunConfig) -> type:

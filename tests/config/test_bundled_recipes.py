@@ -109,7 +109,8 @@ def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
     assert slots >= load_recipe(RECIPES_DIR / "qwen3-8b-grpo.yaml").rollout.max_batch_size
     # The recipe as it was: 116.7 GB of static KV; two settings must change together.
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
-                    "rollout.max_batch_size=256", "rollout.max_seq_len=3072",
+                    "rollout.max_batch_size=256", "rollout.kv_block_size=0",
+                    "rollout.kv_cache_gb=null", "rollout.max_seq_len=3072",
                     "rollout.max_new_tokens=2048", "actor.micro_batch_tokens=16384") == 2
     err = capsys.readouterr().err
     assert "KV cache 116.7 GB" in err and "Together: lower actor.micro_batch_tokens" in err

@@ -116,3 +116,39 @@ def test_request_stops_at_cache_capacity():
     r = Request(0, [7] * 5, SamplingParams(max_new_tokens=100), frozenset(), max_total_len=7)
     assert not r.append(3, 0.0)
     assert r.append(3, 0.0) and r.finish_reason is FinishReason.LENGTH
+
+
+class _Blocks:
+    """A paged cache's free blocks as admission sees them (engine/paged_kv.py)."""
+
+    def __init__(self, num_free: int, block_size: int = 4) -> None:
+        self.num_free, self.block_size = num_free, block_size
+
+    def blocks_for(self, num_cells: int) -> int:
+        return -(-num_cells // self.block_size)
+
+
+def test_admission_stops_at_the_free_kv_blocks_and_a_group_counts_its_prompt_once():
+    sched = Scheduler(num_slots=16, max_prefill_tokens=1000, kv=_Blocks(num_free=12))
+    group = [Request(i, [9] * 10, SamplingParams(max_new_tokens=3), frozenset({1}), 64)
+             for i in range(4)]   # 3 blocks + 1 to decode, then 2 each (the copied last block)
+    loner = _req(4, prompt_len=10)   # 3 + 1 more: over the 12 free
+    for r in [*group, loner]:
+        sched.add(r)
+    batch = sched.schedule()
+    assert [r.index for r in batch.requests] == [0, 1, 2, 3]
+    assert list(sched.waiting) == [loner]
+
+
+def test_a_preempted_request_waits_first_and_the_rest_stay_dense():
+    sched = Scheduler(num_slots=4, max_prefill_tokens=1000)
+    reqs = [_req(i, max_new=9) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    sched.schedule()
+    sched.add(later := _req(9))
+    sched.preempt(reqs[1])
+    assert sched.take_moves() == [SlotMove(3, 1, 4)]
+    assert [(r.index, r.slot) for r in sched.running] == [(0, 0), (3, 1), (2, 2)]
+    assert list(sched.waiting) == [reqs[1], later] and reqs[1].preemptions == 1
+    assert sched.schedule().requests == [reqs[1]]   # back in the freed slot, first in line

@@ -1,8 +1,8 @@
 """The miniature of the real recipe end to end (recipes/tiny-qwen3-eagle3.yaml): a Qwen3 policy
 (QK-norm, head_dim 64), an EAGLE-3 drafter trained online with reward-weighted KD whose byte and
 token caps engage, bf16 compute on fp32 masters sharded over 2 actor ranks, rollouts on 2 Ray
-rollout workers (cluster.backend=ray) with tail consolidation, the lossless gate every step, and
-an export SGLang and vLLM load. Slow: it bootstraps its policy once (cached)."""
+rollout workers (cluster.backend=ray) with tail consolidation, a paged KV cache small enough to
+preempt, the lossless gate every step, and an export SGLang and vLLM load. Slow: it bootstraps its policy once (cached)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
                                # CI's share of the recipe's sizes (600 steps on 512 rollouts,
                                # 32 prompts a step: ~8 min here under CI's load)
                                "drafter.warmup_steps=150", "drafter.warmup_rollouts=256",
-                               "rollout.prompts_per_step=16"])
+                               "rollout.prompts_per_step=16",
+                               # a paged KV pool the workers' answers outgrow: preemptions
+                               "rollout.kv_cache_gb=0.02"])
     assert cfg.actor.num_ranks == 2 and cfg.actor.compute_dtype == "bfloat16"
     run = run_recipe(cfg, tmp_path / "run")
     policy = json.loads((run.policy_dir / "config.json").read_text())
@@ -51,8 +53,10 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     for row in rows:   # both workers generated every step; what they did is on the timeline
         assert row["cluster/rollout0/generate_s"] > 0 and row["cluster/rollout1/generate_s"] > 0
         assert 0 <= row["cluster/idle_fraction"] < 1 and row["cluster/push_s"] > 0
-    # tails moved to the worker still generating (the gate above held with them)
+    # tails moved to the worker still generating, and requests whose KV blocks ran out were
+    # preempted and recomputed (the gate above held with both)
     assert sum(r["cluster/migrated_requests"] for r in rows) > 0
+    assert sum(r["rollout/preemptions"] for r in rows) > 0
     assert sorted(read_timeline(tmp_path / "run")) == list(range(STEPS))
     check_export(tmp_path / "run" / "export", "all", "eagle3")   # raises on any problem
     assert (tmp_path / "run" / "memory_plan.json").is_file()

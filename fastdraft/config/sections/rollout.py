@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fastdraft.config.sections.common import require as _require
+from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.engine.spec.budget import BudgetConfig
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerConfig
@@ -82,6 +83,8 @@ class RolloutConfig:
     budget: BudgetSection = field(default_factory=BudgetSection)
     graphs: bool | None = None          # None: CUDA graphs on CUDA devices
     compile: bool = False
+    kv_block_size: int = KV_BLOCK_SIZE  # cells per block of the paged KV cache; 0: static slots
+    kv_cache_gb: float | None = None    # the paged cache's size; None: what static slots hold
 
     def __post_init__(self) -> None:
         _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
@@ -93,5 +96,11 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "
                  "rollouts give every group one answer)")
         _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _require(self.kv_block_size >= 0, "rollout.kv_block_size must be >= 0 (0: static "
+                 "KV slots, each sized for the longest sequence)")
+        _require(self.kv_cache_gb is None or self.kv_cache_gb > 0,
+                 "rollout.kv_cache_gb must be > 0 (or null: as much as static slots hold)")
+        _require(self.kv_cache_gb is None or self.kv_block_size > 0, "rollout.kv_cache_gb "
+                 "sizes the paged KV cache: it needs rollout.kv_block_size > 0")
 
 

@@ -92,6 +92,9 @@ class MergedProposer(Proposer):
     def on_finish(self, request: Request) -> None:
         self.suffix.on_finish(request)
 
+    def on_preempt(self, request: Request) -> None:
+        self.suffix.on_preempt(request)
+
     def advance_step(self, step: int) -> None:
         self.suffix.advance_step(step)
 

@@ -69,6 +69,11 @@ class Proposer:
     def on_finish(self, request: Request) -> None:
         """Called once when a request finishes (frees per-request state)."""
 
+    def on_preempt(self, request: Request) -> None:
+        """A running request was preempted (engine/paged_kv.py): it will be prefilled again
+        (on_prefill) and continue. Per-request state may go; what it produced is no source
+        yet (its answer is unfinished)."""
+
     def advance_step(self, step: int) -> None:
         """An RL step ended (model-free sources slide their window)."""
 

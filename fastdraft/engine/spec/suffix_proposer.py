@@ -51,11 +51,14 @@ class SuffixProposer(Proposer):
             return DraftTree.empty()
         return self.drafter.propose(key, num_nodes, max_depth)
 
-    def on_finish(self, request: Request) -> None:
+    def on_preempt(self, request: Request) -> None:
         key = self._key(request)
         if key in self._started:
             self.drafter.finish(key)
             self._started.discard(key)
+
+    def on_finish(self, request: Request) -> None:
+        self.on_preempt(request)   # its matching state goes; its answer becomes a source
         self.drafter.add_rollout(tuple(request.prompt_token_ids), request.output_token_ids,
                                  self.step)
 

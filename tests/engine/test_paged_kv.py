@@ -1,0 +1,121 @@
+"""The paged KV cache (engine/paged_kv.py): completions are those of static slots; a GRPO group
+holds its prompt's blocks by reference; moves and finishes move table rows, never K/V; a pool
+too small for the batch preempts and recomputes, and every request still finishes exactly as
+it would have uninterrupted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.engine.paged_kv import PagedKV
+from fastdraft.engine.scheduler import SlotMove
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.models import ModelConfig
+
+EAGLE = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
+
+
+def _prompts(groups: int, size: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 30, (groups,), generator=g).tolist()
+    return [p for n in lengths for p in [torch.randint(3, 60, (n,), generator=g).tolist()] * size]
+
+
+def _logprobs(completions) -> torch.Tensor:
+    return torch.tensor([lp for c in completions for lp in c.logprobs])
+
+
+@pytest.mark.parametrize("spec", [None, EAGLE], ids=["plain", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paged_completions_are_the_static_slots_completions(tiny_checkpoint, random_drafter,
+                                                            spec, temperature):
+    path, _ = tiny_checkpoint
+    engines = [RolloutEngine(path, "cpu", max_batch_size=12, max_seq_len=96,
+                             drafter=random_drafter if spec else None, spec=spec,
+                             kv_block_size=size) for size in (0, 16, 5)]
+    prompts = _prompts(4, 4)
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, seed=5)
+    static, *paged = [e.generate(prompts, params, use_tqdm=False) for e in engines]
+    for out in paged:
+        assert [c.token_ids for c in out] == [c.token_ids for c in static]
+        assert torch.allclose(_logprobs(out), _logprobs(static), atol=1e-5)
+
+
+def test_a_group_holds_its_prompt_blocks_by_reference(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    engine = RolloutEngine(path, "cpu", max_batch_size=8, max_seq_len=64, kv_block_size=4)
+    pages = engine.runner.pages
+    seen = []
+    real_prefill = engine.runner.prefill
+
+    def prefill(prompts, slot_start, aux_layers=(), rows=None):
+        out = real_prefill(prompts, slot_start, aux_layers, rows)
+        seen.append([list(pages.slots[s].blocks) for s in range(8) if pages.slots[s]])
+        return out
+    engine.runner.prefill = prefill
+    prompt = list(range(3, 13))   # 10 tokens: 2 full blocks and a partial one
+    engine.generate([prompt] * 4 + [list(range(20, 30))] * 4,
+                    SamplingParams(temperature=1.0, max_new_tokens=8), use_tqdm=False)
+    [tables] = seen
+    assert tables[0] == tables[1] == tables[2] == tables[3] and len(tables[0]) == 3
+    assert not set(tables[0]) & set(tables[4])
+    assert pages.num_free == pages.num_blocks   # every block back once the call ended
+
+
+def test_moves_and_releases_move_table_rows_and_free_blocks():
+    cfg = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                      model_type="qwen2")
+    pages = PagedKV(cfg, num_slots=3, cache_len=16, block_size=4, num_blocks=10,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    pages.admit(0, [1, 2, 3, 4, 5])
+    pages.fork(1, 0)
+    pages.admit(2, [7])
+    rows = pages.table.clone()
+    assert rows[0].tolist()[:2] == rows[1].tolist()[:2] and rows[0, 2] == pages.sink
+    pages.reserve([6, 6, 2])   # slot 1 writes into the shared block: it gets its own copy
+    assert pages.table[0, 1] != pages.table[1, 1] and pages.table[0, 0] == pages.table[1, 0]
+    pages.release([0])
+    pages.move([SlotMove(2, 0, 1)])
+    assert pages.table[0].tolist() == rows[2].tolist()
+    assert (pages.table[2] == pages.sink).all()
+    pages.release([0, 1])
+    assert pages.num_free == 10
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused_with_the_fix():
+    cfg = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                      model_type="qwen2")
+    with pytest.raises(ValueError, match=r"rollout\.kv_cache_gb"):
+        PagedKV(cfg, num_slots=3, cache_len=64, block_size=16, num_blocks=4,
+                dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("spec", [None, EAGLE], ids=["plain", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_preempted_requests_finish_as_if_never_interrupted(tiny_checkpoint, random_drafter,
+                                                           spec, temperature):
+    path, _ = tiny_checkpoint
+    kwargs = dict(max_batch_size=12, max_seq_len=96, kv_block_size=8,
+                  drafter=random_drafter if spec else None, spec=spec)
+    roomy = RolloutEngine(path, "cpu", **kwargs)
+    tight = RolloutEngine(path, "cpu", kv_blocks=30, **kwargs)   # 240 cells for 12 rows
+    prompts = _prompts(3, 4)
+    params = SamplingParams(temperature=temperature, max_new_tokens=60, ignore_eos=True, seed=7)
+    captured = {"roomy": [], "tight": []}
+    expected = roomy.generate(prompts, params, use_tqdm=False,
+                              on_hidden=captured["roomy"].append)
+    assert roomy.last_trace.preemptions == 0
+    got = tight.generate(prompts, params, use_tqdm=False, on_hidden=captured["tight"].append)
+    assert tight.last_trace.preemptions >= 3
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert torch.allclose(_logprobs(got), _logprobs(expected), atol=1e-5)
+    # The drafter's training data: every position of every request once, as without breaks.
+    for name, records in captured.items():
+        positions = sorted((r.request_index, int(p)) for r in records for p in r.positions)
+        assert positions == sorted(set(positions)), name
+    assert len({(r.request_index, int(p)) for r in captured["tight"] for p in r.positions}) == \
+        len({(r.request_index, int(p)) for r in captured["roomy"] for p in r.positions})
