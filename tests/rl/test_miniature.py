@@ -2,7 +2,8 @@
 (QK-norm, head_dim 64), an EAGLE-3 drafter trained online with reward-weighted KD whose byte and
 token caps engage, bf16 compute on fp32 masters sharded over 2 actor ranks, rollouts on 2 Ray
 rollout workers (cluster.backend=ray) with tail consolidation, a paged KV cache small enough to
-preempt, the lossless gate every step, and an export SGLang and vLLM load. Slow: it bootstraps its policy once (cached)."""
+preempt, the lossless gate every step, and an export SGLang and vLLM load. Slow: it bootstraps
+its policy once (cached)."""
 
 from __future__ import annotations
 
