@@ -128,8 +128,11 @@ def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.
     block, offset = kv.write_at
     k_cache[block, offset] = k.to(k_cache.dtype)
     v_cache[block, offset] = v.to(v_cache.dtype)
-    pages = kv.table[:, : -(-ctx_len // k_cache.shape[1])]
-    return tuple(c[pages].flatten(1, 2)[:, :ctx_len].transpose(1, 2) for c in (k_cache, v_cache))
+    batch, block_size = kv.table.shape[0], k_cache.shape[1]
+    pages = kv.table[:, : -(-ctx_len // block_size)].flatten()
+    # index_select: one contiguous copy per cache (advanced indexing is ~20% slower on CPU)
+    return tuple(c.index_select(0, pages).view(batch, -1, *c.shape[2:])[:, :ctx_len]
+                 .transpose(1, 2) for c in (k_cache, v_cache))
 
 
 class MLP(nn.Module):
