@@ -78,7 +78,10 @@ class PagedKV:
                    for slot, end in enumerate(ends))
 
     def admit(self, slot: int, tokens: list[int]) -> None:
-        """Slot takes new blocks for its prefill's cells (a group's equal prompts: fork)."""
+        """Slot takes new blocks for its prefill's cells (a group's equal prompts: fork).
+        Whatever the slot still held (a caller that drove steps without finishing its
+        requests, e.g. a bench) is given back first."""
+        self.release([slot])
         table = self.pool.admit(tokens, share=False)
         if table is None:
             raise KVPoolFull(f"no free KV blocks for a {len(tokens)}-token prefill "
@@ -90,6 +93,7 @@ class PagedKV:
         """Slot holds the same cells as slot `source` (its prompt's other sample), by reference."""
         table = self.slots[source]
         assert table is not None, f"slot {source} holds no request"
+        self.release([slot])
         self.slots[slot] = self.pool.fork(table)
         self._sync([slot])
 

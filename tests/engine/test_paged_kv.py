@@ -83,6 +83,9 @@ def test_moves_and_releases_move_table_rows_and_free_blocks():
     assert (pages.table[2] == pages.sink).all()
     pages.release([0, 1])
     assert pages.num_free == 10
+    pages.admit(0, [1] * 9)
+    pages.admit(0, [2] * 3)   # a slot admitted again gives back what it held
+    assert pages.num_free == 9
 
 
 def test_a_pool_smaller_than_one_sequence_is_refused_with_the_fix():
