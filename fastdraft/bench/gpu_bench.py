@@ -31,6 +31,7 @@ from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.request import make_requests
 from fastdraft.engine.scheduler import Scheduler
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
@@ -87,8 +88,9 @@ def start_decoding(engine: RolloutEngine, batch: int, prompt_len: int, max_new: 
     """`batch` requests prefilled and ready to decode (greedy, EOS ignored)."""
     params = SamplingParams(greedy=True, max_new_tokens=max_new, ignore_eos=True)
     scheduler = Scheduler(engine.max_batch_size, engine.max_prefill_tokens)
-    for request in engine._make_requests([[5 + i % 97] * prompt_len for i in range(batch)],
-                                         params):
+    prompts = [[5 + i % 97] * prompt_len for i in range(batch)]
+    for request in make_requests(prompts, params, engine.config.vocab_size, engine.max_seq_len,
+                                 engine.eos_token_ids):
         scheduler.add(request)
     while scheduler.waiting:
         engine.step(scheduler)
