@@ -2,7 +2,8 @@
 download), side by side in one run:
 
 - decode steps at batch 1/8/64 and context 512/4096, with and without CUDA graphs, against the
-  HBM roofline (weight + KV bytes over the bandwidth measured here by a device-to-device copy);
+  HBM roofline (weight + KV bytes over the bandwidth measured here by a device-to-device copy),
+  on the paged KV cache (`decode`) and on static slots (`decode_static`);
   batch 1 at context 512 also through the whole `generate` call;
 - the speculative cycle at batch 1 (draft tree + verify + accept + commit, depth 6, 16 nodes)
   in decode steps, with the full vocabulary and a 32k draft vocabulary, and the speedup it
@@ -31,6 +32,7 @@ from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.engine.request import make_requests
 from fastdraft.engine.scheduler import Scheduler
 from fastdraft.engine.spec.config import SpecConfig
@@ -335,18 +337,23 @@ def run_gpu_bench(cfg: GpuBenchConfig, json_path: str | Path | None = None,
         if json_path is not None:
             write_json(json_path, payload)
 
-    if "decode" in parts or "generate" in parts:
+    # The default engine (paged KV) and static slots side by side: the paged cache's attention
+    # gathers each row's blocks (the torch path), which static slots read in place.
+    for kv, block_size in (("paged", KV_BLOCK_SIZE), ("static", 0)):
+        if "decode" not in parts and ("generate" not in parts or kv == "static"):
+            continue
         engine = RolloutEngine.from_model(policy, max_batch_size=max(cfg.batch_sizes),
                                           max_seq_len=max_ctx + 8, compile=cfg.compile,
-                                          share_weights=True)
-        if "generate" in parts:
+                                          share_weights=True, kv_block_size=block_size)
+        if "generate" in parts and kv == "paged":
             payload["generate"] = _generate_row(cfg, engine, bandwidth, weight_bytes)
             print_table([payload["generate"]], list(payload["generate"]))
             payload["generate_graphs"] = engine.graphs.stats.as_dict()
             done("generate")
         if "decode" in parts:
-            payload["decode"] = _decode_rows(cfg, engine, bandwidth, weight_bytes)
-            done("decode")
+            payload["decode" if kv == "paged" else "decode_static"] = _decode_rows(
+                cfg, engine, bandwidth, weight_bytes)
+            done(f"decode ({kv} KV)")
         del engine
         torch.cuda.empty_cache()
     if "cycle" in parts:
