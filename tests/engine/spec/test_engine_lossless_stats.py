@@ -33,8 +33,8 @@ def _expected(hf, params: SamplingParams, length: int = LENGTH) -> dict:
     return exact_sequence_probs(next_probs, length, VOCAB)
 
 
-def _sample(path, params: SamplingParams, restricted: bool = False, method: str = "eagle"
-            ) -> dict:
+def _sample(path, params: SamplingParams, restricted: bool = False, method: str = "eagle",
+            **kv: int) -> dict:
     """method "eagle+suffix": EAGLE's 3 nodes + 3 suffix nodes grafted in (chosen candidates
     next to sampled children under one parent); the suffix drafter's sources are the
     rollouts of PROMPT that finished earlier in the same call."""
@@ -50,9 +50,11 @@ def _sample(path, params: SamplingParams, restricted: bool = False, method: str 
                                           spec=spec, proposer=proposer)
     else:
         engine = RolloutEngine(path, max_batch_size=512, max_seq_len=16, spec=spec,
-                               drafter=path / "drafter")
+                               drafter=path / "drafter", **kv)
     outs = engine.generate([PROMPT] * NUM_SAMPLES, params)
     assert engine.last_stats.num_accepted > 0.2 * NUM_SAMPLES  # the draft path is exercised
+    if kv:   # a paged pool too small for the batch: requests were preempted and recomputed
+        assert engine.last_trace.preemptions > 0.05 * NUM_SAMPLES
     if method == "eagle+suffix":  # and so are the grafted candidates
         assert engine.last_stats.accepted_by_source.get("suffix", 0) > 0.1 * NUM_SAMPLES
     return counts_of([o.token_ids for o in outs], LENGTH)
@@ -72,6 +74,13 @@ def test_engine_sampling_is_the_policy_distribution(tiny_vocab, temperature, top
     pvalue = chi_square_pvalue(_sample(path, params, restricted, method),
                                _expected(hf, params))
     assert pvalue > 0.01
+
+
+def test_engine_sampling_with_forced_preemptions_is_the_policy_distribution(tiny_vocab):
+    path, hf = tiny_vocab
+    params = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)
+    counts = _sample(path, params, kv_block_size=2, kv_blocks=120)
+    assert chi_square_pvalue(counts, _expected(hf, params)) > 0.01
 
 
 def test_engine_test_detects_a_broken_acceptance_rule(tiny_vocab, monkeypatch):
