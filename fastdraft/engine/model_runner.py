@@ -1,5 +1,5 @@
-"""The one place that touches the policy on the device: owns the model and its slot KV cache and
-turns a step's static inputs into a forward pass. Every method here takes device tensors and
+"""The one place that touches the policy on the device: owns the model and its KV cache (paged,
+engine/paged_kv.py, or static slots) and turns a step's static inputs into a forward pass. Every method here takes device tensors and
 Python sizes only (a batch bucket, a context bucket), so the same calls run eagerly and inside
 captured CUDA graphs; prefill alone is eager (prompt lengths vary too much to capture)."""
 

@@ -1,10 +1,12 @@
-"""Continuous batching in plain Python: admit waiting requests into free KV slots, prefill them,
-then decode every running request each step; finished requests free their slot at once.
+"""Continuous batching in plain Python: admit waiting requests into free slots (and, with a
+bounded paged KV cache, free blocks), prefill them, then decode every running request each
+step; finished requests free their slot at once, preempted ones wait at the head of the queue.
 
-Running requests always occupy slots 0..n-1, in slot order, so batch row b is slot b and the
-model reads the cache through views (no gathers), padded up to a batch bucket with free slots.
-When a request finishes, the request in the highest slot moves into the hole (one KV copy per
-finished request: `take_moves`). No tensors here, so the policy is tested without a model."""
+Running requests always occupy slots 0..n-1, in slot order, so batch row b is slot b (its
+per-slot state, its block table or static KV region), padded up to a batch bucket with free
+slots. When a request leaves, the request in the highest slot moves into the hole (one move per
+hole: `take_moves`; the paged cache moves a table row, static slots copy K/V). No tensors
+here, so the policy is tested without a model."""
 
 from __future__ import annotations
 
