@@ -1,7 +1,8 @@
 """The one place that touches the policy on the device: owns the model and its KV cache (paged,
-engine/paged_kv.py, or static slots) and turns a step's static inputs into a forward pass. Every method here takes device tensors and
-Python sizes only (a batch bucket, a context bucket), so the same calls run eagerly and inside
-captured CUDA graphs; prefill alone is eager (prompt lengths vary too much to capture)."""
+engine/paged_kv.py, or static slots) and turns a step's static inputs into a forward pass. Every
+method here takes device tensors and Python sizes only (a batch bucket, a context bucket), so
+the same calls run eagerly and inside captured CUDA graphs; prefill alone is eager (prompt
+lengths vary too much to capture)."""
 
 from __future__ import annotations
 
