@@ -3,7 +3,8 @@ download), side by side in one run:
 
 - decode steps at batch 1/8/64 and context 512/4096, with and without CUDA graphs, against the
   HBM roofline (weight + KV bytes over the bandwidth measured here by a device-to-device copy),
-  on the paged KV cache (`decode`) and on static slots (`decode_static`);
+  on the paged KV cache (`decode`: the torch gather; `decode_paged_triton`: the Triton kernel
+  reading blocks in place) and on static slots (`decode_static`);
   batch 1 at context 512 also through the whole `generate` call;
 - the speculative cycle at batch 1 (draft tree + verify + accept + commit, depth 6, 16 nodes)
   in decode steps, with the full vocabulary and a 32k draft vocabulary, and the speedup it
@@ -337,21 +338,24 @@ def run_gpu_bench(cfg: GpuBenchConfig, json_path: str | Path | None = None,
         if json_path is not None:
             write_json(json_path, payload)
 
-    # The default engine (paged KV) and static slots side by side: the paged cache's attention
-    # gathers each row's blocks (the torch path), which static slots read in place.
-    for kv, block_size in (("paged", KV_BLOCK_SIZE), ("static", 0)):
-        if "decode" not in parts and ("generate" not in parts or kv == "static"):
+    # The default engine (paged KV, its attention gathering each row's blocks), the paged
+    # cache read in place by the Triton kernel, and static slots, side by side.
+    for kv, block_size, attention in (("paged", KV_BLOCK_SIZE, "gather"),
+                                      ("paged_triton", KV_BLOCK_SIZE, "triton"),
+                                      ("static", 0, "gather")):
+        if "decode" not in parts and ("generate" not in parts or kv != "paged"):
             continue
         engine = RolloutEngine.from_model(policy, max_batch_size=max(cfg.batch_sizes),
                                           max_seq_len=max_ctx + 8, compile=cfg.compile,
-                                          share_weights=True, kv_block_size=block_size)
+                                          share_weights=True, kv_block_size=block_size,
+                                          paged_attention=attention)
         if "generate" in parts and kv == "paged":
             payload["generate"] = _generate_row(cfg, engine, bandwidth, weight_bytes)
             print_table([payload["generate"]], list(payload["generate"]))
             payload["generate_graphs"] = engine.graphs.stats.as_dict()
             done("generate")
         if "decode" in parts:
-            payload["decode" if kv == "paged" else "decode_static"] = _decode_rows(
+            payload["decode" if kv == "paged" else f"decode_{kv}"] = _decode_rows(
                 cfg, engine, bandwidth, weight_bytes)
             done(f"decode ({kv} KV)")
         del engine

@@ -69,11 +69,12 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                  capture_aux_layers: tuple[int, ...] = (),
                  tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
                  memory_reserve: int = 0, kv_block_size: int = KV_BLOCK_SIZE,
-                 kv_blocks: int | None = None) -> None:
+                 kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
         """memory_reserve: bytes to leave free on the device for others sharing it (a run's
         actor rank 0: rl/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
         block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
-        what static slots would hold, so no request ever waits for blocks)."""
+        what static slots would hold, so no request ever waits for blocks); paged_attention:
+        "gather" or "triton" (decode steps read the blocks in place; model_runner.py)."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
@@ -90,7 +91,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                    generation_eos(Path(model_path)), drafter, spec, compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
                    budget=budget, memory_plan=plan, kv_block_size=kv_block_size,
-                   kv_blocks=kv_blocks)
+                   kv_blocks=kv_blocks, paged_attention=paged_attention)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -101,7 +102,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                    capture_aux_layers: tuple[int, ...] = (),
                    tuner: TunerConfig | None = None,
                    budget: BudgetConfig | None = None, kv_block_size: int = KV_BLOCK_SIZE,
-                   kv_blocks: int | None = None) -> RolloutEngine:
+                   kv_blocks: int | None = None, paged_attention: str = "gather"
+                   ) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -121,7 +123,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         engine = cls.__new__(cls)
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
                      spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner,
-                     budget, kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                     budget, kv_block_size=kv_block_size, kv_blocks=kv_blocks,
+                     paged_attention=paged_attention)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
@@ -131,7 +134,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
               capture_aux_layers: tuple[int, ...] = (),
               tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
               memory_plan: EnginePlan | None = None, kv_block_size: int = KV_BLOCK_SIZE,
-              kv_blocks: int | None = None) -> None:
+              kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         # A prefill batch's equal prompts (a GRPO group) computed once (engine/prefix_share.py);
@@ -153,7 +156,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(extra_eos)
         self.spec = spec
         self.runner = ModelRunner(model, envelope, max_batch_size, compile, kv_block_size,
-                                  kv_blocks)
+                                  kv_blocks, paged_attention)
         self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
                                                             envelope, compile)
         # One set of aux layers per forward serves the proposer and the hidden-state capture.

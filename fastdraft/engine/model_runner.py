@@ -6,6 +6,8 @@ lengths vary too much to capture)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fastdraft.engine.envelope import Envelope
@@ -27,9 +29,12 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, envelope: Envelope, num_slots: int,
                  compile: bool = False, block_size: int = 0,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, paged_attention: str = "gather") -> None:
         """block_size > 0: the policy's KV in a paged pool of num_blocks blocks (None: as many
-        as static slots would hold; engine/paged_kv.py); 0: every slot owns cache_len cells."""
+        as static slots would hold; engine/paged_kv.py); 0: every slot owns cache_len cells.
+        paged_attention: how a paged decode step attends: "gather" (each row's blocks copied
+        into a padded context, then SDPA) or "triton" (kernels/triton_paged_attention.py
+        reads them in place)."""
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
         cfg = model.config
@@ -38,6 +43,7 @@ class ModelRunner:
         self.envelope = envelope
         self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
                               self.dtype, self.device) if block_size else None)
+        self.decode_attention = decode_attention_of(paged_attention, block_size, cfg.head_dim)
         # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
         self.kv_cache = self.pages.kv if self.pages is not None else torch.zeros(
             cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, envelope.cache_len,
@@ -45,9 +51,11 @@ class ModelRunner:
         self.k_cache = list(self.kv_cache[:, 0].unbind(0))
         self.v_cache = list(self.kv_cache[:, 1].unbind(0))
 
-    def kv(self, slot_start: int, attn: AttnMeta, rows: torch.Tensor | None = None) -> KVView:
+    def kv(self, slot_start: int, attn: AttnMeta, rows: torch.Tensor | None = None,
+           decode: bool = False) -> KVView:
         """The cache of rows slot_start.. for a forward writing attn.cache_positions [B, T]
-        (paged: the table rows `rows` [B] instead, when given)."""
+        (paged: the table rows `rows` [B] instead, when given; decode: a one-token step, which
+        the paged decode attention may serve)."""
         positions = attn.cache_positions
         assert positions is not None
         num_rows = positions.shape[0]
@@ -57,7 +65,8 @@ class ModelRunner:
         table = (self.pages.table[rows] if rows is not None
                  else self.pages.table[slot_start: slot_start + num_rows])
         return KVView(self.k_cache, self.v_cache, table=table,
-                      write_at=self.pages.cells(table, positions))
+                      write_at=self.pages.cells(table, positions),
+                      decode_attention=self.decode_attention if decode else None)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot_start: int,
@@ -110,7 +119,8 @@ class ModelRunner:
         pos = positions.unsqueeze(1)
         attn = (AttnMeta(None, cache_positions=pos, cache_len=ctx_len) if sees_all
                 else causal_cache_meta(pos, ctx_len))
-        logits, hidden = self.forward(token_ids.unsqueeze(1), pos, self.kv(0, attn), attn,
+        logits, hidden = self.forward(token_ids.unsqueeze(1), pos,
+                                      self.kv(0, attn, decode=True), attn,
                                       aux_layers=aux_layers)
         return logits[:, 0], hidden
 
@@ -204,3 +214,24 @@ def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBa
     sees_tree = torch.cat([torch.zeros(batch, 1, num, dtype=torch.bool, device=root.device),
                            drafts.ancestors], 1)                                 # [B, 1 + N, N]
     return ids, pos, AttnMeta(tree_mask(root_pos, sees_tree, ctx_len), cache_positions=cells)
+
+
+def decode_attention_of(name: str, block_size: int, head_dim: int
+                        ) -> Callable[..., torch.Tensor] | None:
+    """The paged decode attention `name` names (None: the gather), or a ValueError that says
+    what to change."""
+    if name == "gather":
+        return None
+    if name != "triton":
+        raise ValueError(f"paged_attention must be 'gather' or 'triton', got {name!r}")
+    if not block_size:
+        raise ValueError("paged_attention='triton' reads a paged KV cache: set kv_block_size")
+    for what, size in (("kv_block_size", block_size), ("the model's head_dim", head_dim)):
+        if size & (size - 1):
+            raise ValueError(f"paged_attention='triton' needs {what} a power of two, got {size}")
+    try:
+        from fastdraft.kernels.triton_paged_attention import paged_attention_triton
+    except ImportError as err:
+        raise ValueError("paged_attention='triton' needs triton installed (pip install "
+                         f"triton): {err}") from None
+    return paged_attention_triton

@@ -10,6 +10,7 @@ Masks are built from device tensors by the functions below: no host value enters
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,6 +30,10 @@ class KVView:
     row_ids: torch.Tensor | None = None  # [B, 1] arange, built once per forward (not per layer)
     table: torch.Tensor | None = None
     write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Paged decode steps (one new token a row): attention that reads the rows' blocks in place,
+    # (q [B, 1, H, D], k pool, v pool, table, ctx_lens [B]) -> [B, 1, H, D]; None: gather them
+    # (kernels/triton_paged_attention.py; set by the engine, never imported here).
+    decode_attention: Callable[..., torch.Tensor] | None = None
 
     def rows(self, layer_idx: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K and V of the batch's slots, as views [B, Hkv, cache_len, D]."""

@@ -74,6 +74,12 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, rope)
         if isinstance(attn, GroupedAttn):
             return self.o_proj(self._grouped(q, k, v, attn))
+        if kv is not None and kv.decode_attention is not None and seq_len == 1:
+            assert kv.table is not None and attn is not None and attn.cache_positions is not None
+            _paged_write(kv, self.layer_idx, k, v)
+            out = kv.decode_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], kv.table,
+                                      attn.cache_positions[:, 0] + 1)
+            return self.o_proj(out.reshape(bsz, seq_len, -1))
         mask = None if attn is None else attn.sdpa_mask
         if kv is None:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
@@ -119,15 +125,22 @@ def _write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor
     return k_cache[:, :, :ctx_len], v_cache[:, :, :ctx_len]
 
 
-def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-                          ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """_write_and_read over blocks: the new K/V go to their (block, offset); a row's first
-    ctx_len cells are gathered from its blocks (the torch path; kernels/ reads them in place)."""
-    assert kv.table is not None and kv.write_at is not None
+def _paged_write(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The new K/V [B, T, Hkv, D] to their (block, offset) in layer layer_idx's pool."""
+    assert kv.write_at is not None
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
     block, offset = kv.write_at
     k_cache[block, offset] = k.to(k_cache.dtype)
     v_cache[block, offset] = v.to(v_cache.dtype)
+
+
+def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+                          ctx_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_write_and_read over blocks: the new K/V go to their (block, offset); a row's first
+    ctx_len cells are gathered from its blocks (the torch path; kernels/ reads them in place)."""
+    _paged_write(kv, layer_idx, k, v)
+    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
+    assert kv.table is not None
     batch, block_size = kv.table.shape[0], k_cache.shape[1]
     pages = kv.table[:, : -(-ctx_len // block_size)].flatten()
     # index_select: one contiguous copy per cache (advanced indexing is ~20% slower on CPU)

@@ -5,6 +5,12 @@ it would have uninterrupted."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,3 +128,57 @@ def test_preempted_requests_finish_as_if_never_interrupted(tiny_checkpoint, rand
         assert positions == sorted(set(positions)), name
     assert len({(r.request_index, int(p)) for r in captured["tight"] for p in r.positions}) == \
         len({(r.request_index, int(p)) for r in captured["roomy"] for p in r.positions})
+
+
+def test_the_triton_decode_attention_decodes_as_the_gather(tiny_checkpoint):
+    """paged_attention='triton': decode steps read each row's blocks in place with the kernel
+    (on the CPU, Triton's interpreter in a fresh process: it must be on before triton is
+    imported); the completions are the gather path's."""
+    pytest.importorskip("triton")
+    path, _ = tiny_checkpoint
+    run = subprocess.run([sys.executable, "-c", _TRITON_DECODE, str(path)], cwd=_ROOT,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["tokens"]["triton"] == out["tokens"]["gather"]
+    assert out["max_logprob_diff"] < 1e-4 and out["steps"] > 10
+    assert out["kernel_calls"] == out["steps"] * out["layers"]   # every layer of every step
+
+
+def test_the_triton_decode_attention_is_refused_where_it_cannot_run(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    with pytest.raises(ValueError, match="set kv_block_size"):
+        RolloutEngine(path, "cpu", max_seq_len=64, kv_block_size=0, paged_attention="triton")
+    with pytest.raises(ValueError, match="power of two"):
+        RolloutEngine(path, "cpu", max_seq_len=64, kv_block_size=12, paged_attention="triton")
+    with pytest.raises(ValueError, match="'gather' or 'triton'"):
+        RolloutEngine(path, "cpu", max_seq_len=64, paged_attention="flash")
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+_TRITON_DECODE = """
+import json, sys
+import torch
+from fastdraft.engine import RolloutEngine, SamplingParams
+g = torch.Generator().manual_seed(4)
+prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+params = SamplingParams(greedy=True, max_new_tokens=14, ignore_eos=True)
+out, logprobs, steps, calls = {}, {}, 0, [0]
+for name in ("gather", "triton"):
+    engine = RolloutEngine(sys.argv[1], "cpu", max_batch_size=4, max_seq_len=64,
+                           kv_block_size=8, paged_attention=name)
+    kernel = engine.runner.decode_attention
+    if kernel is not None:   # count its calls: the decode steps must run through it
+        def counted(*args, kernel=kernel):
+            calls[0] += 1
+            return kernel(*args)
+        engine.runner.decode_attention = counted
+    done = engine.generate(prompts, params, use_tqdm=False)
+    out[name] = [c.token_ids for c in done]
+    logprobs[name] = torch.tensor([lp for c in done for lp in c.logprobs])
+    steps = sum(arm == "off" for arm in engine.last_trace.arms)
+diff = float((logprobs["triton"] - logprobs["gather"]).abs().max())
+print(json.dumps({"tokens": out, "max_logprob_diff": diff, "steps": steps,
+                  "kernel_calls": calls[0], "layers": engine.config.num_hidden_layers}))
+"""
