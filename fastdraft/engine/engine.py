@@ -292,7 +292,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         if pages is not None:   # finished requests' blocks back before their slots refill
             pages.release([r.slot for r in finished])
         self._move(scheduler.take_moves())  # keep the running requests in slots 0..n-1
-        if pages is not None:   # a tree's rejected cells give their blocks back
+        if pages is not None and self.last_num_drafting:   # rejected tree cells' blocks back
             pages.trim({r.slot: r.num_tokens - 1 for r in scheduler.running})
         return finished
 

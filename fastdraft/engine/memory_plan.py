@@ -101,7 +101,7 @@ class EngineShape:
     kv_blocks: int | None = None        # None: what static slots would hold
 
     @property
-    def kv_cell(self) -> int:
+    def cell_bytes(self) -> int:
         """Bytes of one cache cell: K and V of every layer."""
         cfg = self.config
         return 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize * (
@@ -115,9 +115,9 @@ class EngineShape:
 
     def _kv_cache(self) -> int:
         if not self.kv_block_size:
-            return self.num_slots * self.envelope.cache_len * self.kv_cell
+            return self.num_slots * self.envelope.cache_len * self.cell_bytes
         max_blocks = -(-self.envelope.cache_len // self.kv_block_size)
-        return ((self.num_kv_blocks + 1) * self.kv_block_size * self.kv_cell
+        return ((self.num_kv_blocks + 1) * self.kv_block_size * self.cell_bytes
                 + self.num_slots * max_blocks * _LONG)
 
     def plan(self) -> EnginePlan:
@@ -282,10 +282,10 @@ def check_engine_plan(plan: EnginePlan, capacity: Capacity, resident: int = 0) -
     s = plan.shape
     need = plan.total - resident
     if s.kv_blocks is not None:
-        kv_what = (f"{s.kv_blocks} blocks of {s.kv_block_size} cells x {gb(s.kv_cell)}: "
+        kv_what = (f"{s.kv_blocks} blocks of {s.kv_block_size} cells x {gb(s.cell_bytes)}: "
                    "rollout.kv_cache_gb")
     else:
-        kv_what = (f"{s.num_slots} slots x {s.envelope.cache_len} cells x {gb(s.kv_cell)}: "
+        kv_what = (f"{s.num_slots} slots x {s.envelope.cache_len} cells x {gb(s.cell_bytes)}: "
                    "every slot holds the longest sequence")
     message = (f"the engine's memory plan needs {gb(need)} more, but {capacity.describe()}"
                f"; its KV cache alone is {gb(plan.kv_cache)} ({kv_what}). ")

@@ -148,10 +148,9 @@ class PagedKV:
             self.slots[slot] = None
         self._sync(sorted({m.dst for m in moves} | vacated))
 
-    def cells(self, rows: torch.Tensor, cells: torch.Tensor
+    def cells(self, table: torch.Tensor, cells: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row table ids [B] or tables [B, max_blocks], cells [B, T] -> (block, offset) [B, T]."""
-        table = self.table[rows] if rows.dim() == 1 else rows
+        """Rows' tables [B, max_blocks], cells [B, T] -> (block, offset) [B, T]."""
         return table.gather(1, cells // self.block_size), cells % self.block_size
 
     def _sync(self, slots: list[int]) -> None:

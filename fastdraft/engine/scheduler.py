@@ -117,7 +117,7 @@ class Scheduler:
             self.running.extend(admitted)
             return ScheduledBatch(Phase.PREFILL, admitted)
         if not self.running:
-            if self.waiting:   # a paged cache smaller than one request (checked at build)
+            if self.waiting and self.kv is not None:   # a cache under one request: refused
                 raise RuntimeError(f"no request fits the free KV blocks ({self.kv.num_free})")
             raise RuntimeError("schedule() called with no work")
         return ScheduledBatch(Phase.DECODE, list(self.running))
