@@ -58,6 +58,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-json", type=Path, default=None,
                    help="cluster: unit costs for the projections from this `bench gpu --json` "
                         "file (default: the H100 floors of the README)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="kv: a published answer-length trace for concurrency_ratio "
+                        "(default: the bundled fastdraft/bench/traces/ one)")
+    p.add_argument("--shapes-recipe", type=Path, default=Path("recipes/qwen3-8b-grpo.yaml"),
+                   help="kv: the recipe whose shapes concurrency_ratio takes")
     p.add_argument("--consolidate-below", type=int, default=16,
                    help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
                         "worker's tail of fewer requests moves to a generating worker)")
@@ -118,7 +123,9 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
         recipe, overrides = Path(overrides[0]), overrides[1:]
-    extra = ({"rounds": args.repeats} if args.which in ("rollout", "kv") else
+    extra = ({"rounds": args.repeats} if args.which == "rollout" else
+             {"rounds": args.repeats, "trace": args.trace, "shapes_recipe": args.shapes_recipe}
+             if args.which == "kv" else
              {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below}
              if args.which == "cluster" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),

@@ -1,21 +1,24 @@
 """`fastdraft bench kv`: what the paged KV cache and the prompt sharing save on a recipe's rollout
 batch (its prompts x group_size samples, a group's samples together as the RL loop submits
-them), and what paging costs a decode step.
+them), what paging costs a decode step, and how many more requests it holds.
 
-Three engines of the recipe's settings roll out the same batch with the same seeds, rounds
+Four engines of the recipe's settings roll out the same batch with the same seeds, rounds
 interleaved (round 0 warms up):
 - `static`: every slot owns a cache region sized for the longest sequence, every row prefills
   its own prompt (the engine before issue 23);
 - `static_shared`: static slots, each distinct prompt computed once and its K/V copied to the
   group's rows (engine/prefix_share.py);
-- `paged`: blocks of KV_BLOCK_SIZE cells (engine/paged_kv.py), the group's rows holding the
-  prompt's blocks by reference.
+- `paged_one_read`: blocks of KV_BLOCK_SIZE cells (engine/paged_kv.py), the group's rows
+  holding the prompt's blocks by reference, attention gathering every row to the longest;
+- `paged`: the same, attention reading rows in chunks by length (engine/ragged_reads.py, the
+  engine's default on the CPU).
 Their completions must be token-identical (checked: the bench fails otherwise). Reported:
 `prefill_tokens_shared_vs_unshared` (prompt tokens computed, paged / static),
-`rollout_time_ratio` (paged / static rollout seconds), the sharing's and the paging's shares of
-it, the prefill's share of the static rollout, and a decode step at batch 64 on each cache
-(`decode_batch64`: the block-table gather and the per-step block bookkeeping as a share of the
-paged step)."""
+`rollout_time_ratio` (paged / static rollout seconds), the sharing's, the paging's and the
+chunked reads' shares of it, the prefill's share of the static rollout, a decode step at batch
+64 on each cache (`decode_batch64`: the block-table gather and the per-step block bookkeeping as
+a share of the paged step), and `concurrency_ratio` (bench/concurrency.py: requests that fit in
+the same KV bytes, paged / static, for --shapes-recipe's shapes and --trace's answer lengths)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from fastdraft.bench.common import write_json
+from fastdraft.bench.concurrency import DEFAULT_TRACE, concurrency
 from fastdraft.bench.rollout_bench import recipe_batch, recipe_params
 from fastdraft.config import load_recipe
 from fastdraft.engine import RolloutEngine
@@ -36,19 +40,24 @@ from fastdraft.models import CausalLM
 from fastdraft.rl.run import DTYPES
 from fastdraft.rl.run_inputs import rollout_seq_len
 
-ARMS = {"static": (0, False), "static_shared": (0, True), "paged": (KV_BLOCK_SIZE, True)}
+# name: (kv_block_size, prompts shared, paged reads chunked by row length)
+ARMS = {"static": (0, False, False), "static_shared": (0, True, False),
+        "paged_one_read": (KV_BLOCK_SIZE, True, False), "paged": (KV_BLOCK_SIZE, True, True)}
 
 
 def run_kv_bench(recipe: Path, overrides: list[str], out_dir: Path,
                  json_path: Path | None = None, cache_dir: Path | None = None,
-                 rounds: int = 3) -> dict[str, Any]:
+                 rounds: int = 3, trace: Path | None = None,
+                 shapes_recipe: Path = Path("recipes/qwen3-8b-grpo.yaml")) -> dict[str, Any]:
     cfg = load_recipe(recipe, overrides)
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    fits = {"recipe": str(shapes_recipe),
+            **concurrency(load_recipe(shapes_recipe, []), trace or DEFAULT_TRACE, KV_BLOCK_SIZE)}
     policy_dir, drafter, prompts = recipe_batch(cfg, cache_dir)
     spec = cfg.rollout.spec
     engines = {}
-    for name, (block_size, share) in ARMS.items():
+    for name, (block_size, share, chunked) in ARMS.items():
         engines[name] = RolloutEngine(policy_dir, device=cfg.model.device,
                                       dtype=DTYPES[cfg.model.dtype],
                                       max_batch_size=cfg.rollout.max_batch_size,
@@ -56,6 +65,7 @@ def run_kv_bench(recipe: Path, overrides: list[str], out_dir: Path,
                                       drafter=drafter if spec.enabled else None,
                                       kv_block_size=block_size)
         engines[name].share_prompts = share
+        engines[name].runner.ragged_reads = chunked
     seconds = {name: 0.0 for name in ARMS}
     prefill_s = {name: 0.0 for name in ARMS}
     tokens = {name: [0, 0] for name in ARMS}   # [prompt tokens of every row, computed]
@@ -87,10 +97,11 @@ def run_kv_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "rollout_time_ratio": seconds["paged"] / seconds["static"],
         "sharing_time_ratio": seconds["static_shared"] / seconds["static"],
         "paging_time_ratio": seconds["paged"] / seconds["static_shared"],
+        "chunked_reads_time_ratio": seconds["paged"] / seconds["paged_one_read"],
         "prefill_share_static": prefill_s["static"] / seconds["static"],
         "identical_completions": True,
         "decode_batch64": decode_overhead(engines["static"].model),
-        "not_measured": ["concurrency_ratio (needs a published answer-length trace)"]}
+        "concurrency": fits, "concurrency_ratio": fits["concurrency_ratio"]}
     out_dir.mkdir(parents=True, exist_ok=True)
     if json_path is not None:
         write_json(json_path, payload)
@@ -143,6 +154,7 @@ def _prefill_seconds(trace) -> float:
 
 def summary_lines(out: dict[str, Any]) -> list[str]:
     t, s, d = out["prefill_tokens"], out["rollout_s"], out["decode_batch64"]
+    c = out["concurrency"]
     return [f"bench kv: {out['num_requests']} requests (groups of {out['group_size']}), "
             f"{out['rounds']} rounds after a warm-up, completions identical",
             f"  prefill tokens computed: paged {t['paged']['computed']} of "
@@ -150,9 +162,12 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
             f"prefill_tokens_shared_vs_unshared {out['prefill_tokens_shared_vs_unshared']:.3f}",
             f"  rollout s: paged {s['paged']:.2f}, static shared {s['static_shared']:.2f}, "
             f"static {s['static']:.2f}: rollout_time_ratio {out['rollout_time_ratio']:.3f} "
-            f"(sharing {out['sharing_time_ratio']:.3f}, paging {out['paging_time_ratio']:.3f}; "
+            f"(sharing {out['sharing_time_ratio']:.3f}, paging {out['paging_time_ratio']:.3f}, of "
+            f"which chunked reads {out['chunked_reads_time_ratio']:.3f}; "
             f"prefill was {out['prefill_share_static']:.1%} of the static rollout)",
             f"  decode at batch {d['batch']}, {d['context']} cells: static "
             f"{d['static_ms']:.2f} ms, paged {d['paged_ms']:.2f} ms + bookkeeping "
             f"{d['bookkeeping_ms']:.2f} ms: overhead {d['overhead_share']:.1%} of the step",
-            "  not measured: " + ", ".join(out["not_measured"])]
+            f"  concurrency ({c['recipe']} shapes, answers of {c['trace']}): a static slot "
+            f"{c['static_cells_per_request']} cells, a paged request "
+            f"{c['paged_cells_per_request']:.0f}: concurrency_ratio {c['concurrency_ratio']:.2f}"]

@@ -168,8 +168,6 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.graphs = GraphPool(device, graphs)
         self.buckets = buckets or BucketPlan.build(max_batch_size, envelope.cache_len,
                                                    exact=not self.graphs.enabled)
-        # Eager CPU steps may read a flag on the host to end a loop early: nothing waits for a
-        # device there. Captured graphs (and CUDA) never do (tests switch this off to check).
         self.eager_shortcuts = device.type == "cpu" and not self.graphs.enabled
         self.io = StepIO(max_batch_size, envelope, self.config.hidden_size,
                          len(self.aux_layers), self.config.vocab_size, device,
@@ -205,6 +203,18 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         return plan
 
     # ----------------------------------------------------------------------------- public API
+    @property
+    def eager_shortcuts(self) -> bool:
+        """Eager CPU steps may read values on the host (to end a loop early, to read a paged
+        cache's rows in chunks by length): nothing waits for a device there. Captured graphs
+        (and CUDA) never do; tests switch this off to check."""
+        return self._eager_shortcuts
+
+    @eager_shortcuts.setter
+    def eager_shortcuts(self, on: bool) -> None:
+        self._eager_shortcuts = on
+        self.runner.ragged_reads = on and self.runner.pages is not None
+
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
                  on_finish: OnFinish | None = None, on_hidden: HiddenSink | None = None,

@@ -13,6 +13,7 @@ import torch
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.paged_kv import PagedKV
 from fastdraft.engine.prefix_share import SharedPrefill
+from fastdraft.engine.ragged_reads import plan_reads
 from fastdraft.engine.scheduler import SlotMove
 from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.accept import AcceptedBatch
@@ -44,6 +45,9 @@ class ModelRunner:
         self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
                               self.dtype, self.device) if block_size else None)
         self.decode_attention = decode_attention_of(paged_attention, block_size, cfg.head_dim)
+        # Paged reads chunked by row length (engine/ragged_reads.py) plan on the host: the
+        # engine switches them on where it takes eager shortcuts (a graph needs one read).
+        self.ragged_reads = False
         # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
         self.kv_cache = self.pages.kv if self.pages is not None else torch.zeros(
             cfg.num_hidden_layers, 2, num_slots, cfg.num_key_value_heads, envelope.cache_len,
@@ -64,9 +68,13 @@ class ModelRunner:
             return KVView(self.k_cache, self.v_cache, slot_start, row_ids)
         table = (self.pages.table[rows] if rows is not None
                  else self.pages.table[slot_start: slot_start + num_rows])
+        decode_attention = self.decode_attention if decode else None
+        chunks = (plan_reads(attn.mask, table, self.pages.block_size, self.dtype)
+                  if self.ragged_reads and decode_attention is None and attn.mask is not None
+                  else None)
         return KVView(self.k_cache, self.v_cache, table=table,
                       write_at=self.pages.cells(table, positions),
-                      decode_attention=self.decode_attention if decode else None)
+                      decode_attention=decode_attention, chunks=chunks)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot_start: int,

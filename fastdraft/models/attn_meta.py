@@ -17,6 +17,18 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class ReadChunk:
+    """Rows of a paged forward that attention reads together (engine/ragged_reads.py): rows
+    [n] of the batch, pages [n * blocks] their first blocks (table order), ctx_len the cells
+    read, bias [n, 1, T, ctx_len] those rows' mask as an additive bias."""
+
+    rows: torch.Tensor
+    pages: torch.Tensor
+    ctx_len: int
+    bias: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class KVView:
     """Slot KV cache: k[i], v[i] are layer i's [num_slots, num_kv_heads, cache_len, head_dim];
     batch row b reads and writes slot slot_start + b.
@@ -34,6 +46,9 @@ class KVView:
     # (q [B, 1, H, D], k pool, v pool, table, ctx_lens [B]) -> [B, 1, H, D]; None: gather them
     # (kernels/triton_paged_attention.py; set by the engine, never imported here).
     decode_attention: Callable[..., torch.Tensor] | None = None
+    # Paged eager forwards: attention reads these row chunks, each padded only to its own
+    # longest row (None: one read of every row to ctx_len).
+    chunks: tuple[ReadChunk, ...] | None = None
 
     def rows(self, layer_idx: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K and V of the batch's slots, as views [B, Hkv, cache_len, D]."""

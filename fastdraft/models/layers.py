@@ -80,16 +80,37 @@ class Attention(nn.Module):
             out = kv.decode_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], kv.table,
                                       attn.cache_positions[:, 0] + 1)
             return self.o_proj(out.reshape(bsz, seq_len, -1))
-        mask = None if attn is None else attn.sdpa_mask
-        if kv is None:
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        else:
+        if kv is not None:
             assert attn is not None and attn.cache_positions is not None
-            keys, values = _write_and_read(kv, self.layer_idx, k, v, attn)
+            return self.o_proj(self._cached(q, k, v, kv, attn).reshape(bsz, seq_len, -1))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values,
-            attn_mask=mask, is_causal=attn is None, enable_gqa=self.num_heads != self.num_kv_heads)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=None if attn is None else attn.sdpa_mask, is_causal=attn is None,
+            enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView,
+                attn: AttnMeta) -> torch.Tensor:
+        """q [B, T, Hq, D], the new k and v [B, T, Hkv, D] -> attention over the cache, [B, T,
+        Hq, D] (the new K/V stored first). A paged cache read in chunks (kv.chunks) attends
+        chunk by chunk, each chunk's rows gathered only to its own longest row."""
+        gqa = self.num_heads != self.num_kv_heads
+        if kv.chunks is None:
+            keys, values = _write_and_read(kv, self.layer_idx, k, v, attn)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                 attn_mask=attn.sdpa_mask, enable_gqa=gqa)
+            return out.transpose(1, 2)
+        _paged_write(kv, self.layer_idx, k, v)
+        caches = kv.k[self.layer_idx], kv.v[self.layer_idx]
+        out = torch.empty_like(q)
+        for chunk in kv.chunks:
+            keys, values = (_gather(c, chunk.pages, chunk.rows.shape[0], chunk.ctx_len)
+                            for c in caches)
+            part = F.scaled_dot_product_attention(q.index_select(0, chunk.rows).transpose(1, 2),
+                                                  keys, values, attn_mask=chunk.bias,
+                                                  enable_gqa=gqa)
+            out.index_copy_(0, chunk.rows, part.transpose(1, 2))
+        return out
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn: GroupedAttn) -> torch.Tensor:
@@ -99,11 +120,8 @@ class Attention(nn.Module):
         for group in attn.groups:
             rows, width, end = group.num_rows, group.width, start + group.num_tokens
             qg, kg, vg = (t[0, start:end].unflatten(0, (rows, width)) for t in (q, k, v))
-            keys, values = _write_and_read(group.kv, self.layer_idx, kg, vg, group.attn)
-            out = F.scaled_dot_product_attention(qg.transpose(1, 2), keys, values,
-                                                 attn_mask=group.attn.sdpa_mask,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            outs.append(out.transpose(1, 2).reshape(1, group.num_tokens, -1))
+            out = self._cached(qg, kg, vg, group.kv, group.attn)
+            outs.append(out.reshape(1, group.num_tokens, -1))
             start = end
         return torch.cat(outs, 1)
 
@@ -139,13 +157,18 @@ def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.
     """_write_and_read over blocks: the new K/V go to their (block, offset); a row's first
     ctx_len cells are gathered from its blocks (the torch path; kernels/ reads them in place)."""
     _paged_write(kv, layer_idx, k, v)
-    k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
     assert kv.table is not None
-    batch, block_size = kv.table.shape[0], k_cache.shape[1]
+    batch, block_size = kv.table.shape[0], kv.k[layer_idx].shape[1]
     pages = kv.table[:, : -(-ctx_len // block_size)].flatten()
-    # index_select: one contiguous copy per cache (advanced indexing is ~20% slower on CPU)
-    return tuple(c.index_select(0, pages).view(batch, -1, *c.shape[2:])[:, :ctx_len]
-                 .transpose(1, 2) for c in (k_cache, v_cache))
+    return tuple(_gather(c, pages, batch, ctx_len) for c in (kv.k[layer_idx], kv.v[layer_idx]))
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, rows: int, ctx_len: int) -> torch.Tensor:
+    """pages [rows * blocks] of one layer's pool [blocks, block_size, Hkv, D] -> the rows'
+    first ctx_len cells as [rows, Hkv, ctx_len, D] (index_select: one contiguous copy;
+    advanced indexing is ~20% slower on CPU)."""
+    return (cache.index_select(0, pages).view(rows, -1, *cache.shape[2:])[:, :ctx_len]
+            .transpose(1, 2))
 
 
 class MLP(nn.Module):

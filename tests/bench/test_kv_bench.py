@@ -1,7 +1,7 @@
 """`bench kv` rolls a recipe's batch out on static slots (every row prefilled), static slots with
 the group's prompt computed once, and the paged cache, same seeds: identical completions, the
 prompt tokens computed fall to one row's in a group, and a batch-64 decode step is timed on
-both caches."""
+both caches, and the concurrency figure is reported for the 8B recipe's shapes."""
 
 from __future__ import annotations
 
@@ -26,4 +26,7 @@ def test_kv_bench_measures_paging_and_prompt_sharing(char_policy, char_drafter, 
     assert decode["batch"] == 64 and decode["static_ms"] > 0 and decode["paged_ms"] > 0
     assert decode["bookkeeping_ms"] > 0 and decode["overhead_share"] < 1
     assert json.loads((tmp_path / "kv.json").read_text())["rollout_time_ratio"] > 0
+    assert out["chunked_reads_time_ratio"] > 0
+    assert out["concurrency"]["recipe"] == "recipes/qwen3-8b-grpo.yaml"
+    assert out["concurrency_ratio"] == out["concurrency"]["concurrency_ratio"] > 1
     assert all(isinstance(line, str) and line for line in summary_lines(out))
