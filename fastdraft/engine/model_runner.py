@@ -33,8 +33,8 @@ class ModelRunner:
                  num_blocks: int | None = None, paged_attention: str = "gather") -> None:
         """block_size > 0: the policy's KV in a paged pool of num_blocks blocks (None: as many
         as static slots would hold; engine/paged_kv.py); 0: every slot owns cache_len cells.
-        paged_attention: how a paged decode step attends: "gather" (each row's blocks copied
-        into a padded context, then SDPA) or "triton" (kernels/triton_paged_attention.py
+        paged_attention: how paged decode and verify steps attend: "gather" (each row's blocks
+        copied into a padded context, then SDPA) or "triton" (kernels/triton_paged_attention.py
         reads them in place)."""
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
@@ -44,7 +44,7 @@ class ModelRunner:
         self.envelope = envelope
         self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
                               self.dtype, self.device) if block_size else None)
-        self.decode_attention = decode_attention_of(paged_attention, block_size, cfg.head_dim)
+        self.paged_attention = paged_attention_of(paged_attention, block_size, cfg.head_dim)
         # Paged reads chunked by row length (engine/ragged_reads.py) plan on the host: the
         # engine switches them on where it takes eager shortcuts (a graph needs one read).
         self.ragged_reads = False
@@ -56,10 +56,11 @@ class ModelRunner:
         self.v_cache = list(self.kv_cache[:, 1].unbind(0))
 
     def kv(self, slot_start: int, attn: AttnMeta, rows: torch.Tensor | None = None,
-           decode: bool = False) -> KVView:
+           decode: bool = False, tree: torch.Tensor | None = None) -> KVView:
         """The cache of rows slot_start.. for a forward writing attn.cache_positions [B, T]
-        (paged: the table rows `rows` [B] instead, when given; decode: a one-token step, which
-        the paged decode attention may serve)."""
+        (paged: the table rows `rows` [B] instead, when given). decode: a one-token step; tree:
+        a verify step's [B, T, T] mask over its own cells (root first, cells consecutive
+        after the row's context); both may be served by the paged attention kernel."""
         positions = attn.cache_positions
         assert positions is not None
         num_rows = positions.shape[0]
@@ -68,13 +69,14 @@ class ModelRunner:
             return KVView(self.k_cache, self.v_cache, slot_start, row_ids)
         table = (self.pages.table[rows] if rows is not None
                  else self.pages.table[slot_start: slot_start + num_rows])
-        decode_attention = self.decode_attention if decode else None
+        write_at = self.pages.cells(table, positions)
+        if self.paged_attention is not None and (decode or tree is not None):
+            return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at,
+                          paged_attention=self.paged_attention,
+                          ctx_lens=positions[:, -1] + 1, new_mask=tree)
         chunks = (plan_reads(attn.mask, table, self.pages.block_size, self.dtype)
-                  if self.ragged_reads and decode_attention is None and attn.mask is not None
-                  else None)
-        return KVView(self.k_cache, self.v_cache, table=table,
-                      write_at=self.pages.cells(table, positions),
-                      decode_attention=decode_attention, chunks=chunks)
+                  if self.ragged_reads and attn.mask is not None else None)
+        return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at, chunks=chunks)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot_start: int,
@@ -140,7 +142,8 @@ class ModelRunner:
         its K/V in cell root_pos + 1 + i of its own slot; each node sees its row's context and
         its own ancestors."""
         ids, pos, attn = _tree_inputs(root_ids, root_pos, drafts, ctx_len)
-        return self.forward(ids, pos, self.kv(0, attn), attn, aux_layers=aux_layers)
+        return self.forward(ids, pos, self.kv(0, attn, tree=self._own_cells(drafts)), attn,
+                            aux_layers=aux_layers)
 
     def verify_split(self, root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
                      ctx_len: int, plain_ctx_len: int, aux_layers: tuple[int, ...] = ()
@@ -156,8 +159,9 @@ class ModelRunner:
         plain_pos = root_pos[num_tree:].unsqueeze(1)
         num_plain = plain_pos.shape[0]
         plain_attn = causal_cache_meta(plain_pos, plain_ctx_len)
-        groups = GroupedAttn((RowGroup(num_tree, ids.shape[1], self.kv(0, attn), attn),
-                              RowGroup(num_plain, 1, self.kv(num_tree, plain_attn),
+        groups = GroupedAttn((RowGroup(num_tree, ids.shape[1],
+                                       self.kv(0, attn, tree=self._own_cells(drafts)), attn),
+                              RowGroup(num_plain, 1, self.kv(num_tree, plain_attn, decode=True),
                                        plain_attn)))
         packed_ids = torch.cat([ids.flatten(), root_ids[num_tree:]]).unsqueeze(0)
         packed_pos = torch.cat([pos.flatten(), plain_pos.flatten()]).unsqueeze(0)
@@ -211,6 +215,19 @@ class ModelRunner:
         return firsts
 
 
+    def _own_cells(self, drafts: DraftBatch) -> torch.Tensor | None:
+        """What each of a verify step's [root, nodes] sees of the step's own cells, [B, 1 + N,
+        1 + N] (everyone the root, a node its ancestors and itself): the paged kernel's
+        new_mask. None without the kernel."""
+        if self.paged_attention is None:
+            return None
+        batch = drafts.tokens.shape[0]
+        root = torch.ones(batch, 1 + drafts.width, 1, dtype=torch.bool,
+                          device=drafts.tokens.device)
+        nodes = torch.cat([torch.zeros_like(drafts.ancestors[:, :1]), drafts.ancestors], 1)
+        return torch.cat([root, nodes], 2)
+
+
 def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBatch,
                  ctx_len: int) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
     """Token ids and positions [B, 1 + N] of [root, tree nodes] per row, and their attention."""
@@ -224,10 +241,10 @@ def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBa
     return ids, pos, AttnMeta(tree_mask(root_pos, sees_tree, ctx_len), cache_positions=cells)
 
 
-def decode_attention_of(name: str, block_size: int, head_dim: int
+def paged_attention_of(name: str, block_size: int, head_dim: int
                         ) -> Callable[..., torch.Tensor] | None:
-    """The paged decode attention `name` names (None: the gather), or a ValueError that says
-    what to change."""
+    """The paged attention of decode and verify steps `name` names (None: the gather), or a
+    ValueError that says what to change."""
     if name == "gather":
         return None
     if name != "triton":

@@ -42,10 +42,14 @@ class KVView:
     row_ids: torch.Tensor | None = None  # [B, 1] arange, built once per forward (not per layer)
     table: torch.Tensor | None = None
     write_at: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Paged decode steps (one new token a row): attention that reads the rows' blocks in place,
-    # (q [B, 1, H, D], k pool, v pool, table, ctx_lens [B]) -> [B, 1, H, D]; None: gather them
-    # (kernels/triton_paged_attention.py; set by the engine, never imported here).
-    decode_attention: Callable[..., torch.Tensor] | None = None
+    # Paged decode and verify steps: attention that reads the rows' blocks in place, (q [B, T,
+    # H, D], k pool, v pool, table, ctx_lens [B], new_mask [B, T, T] or None = causal) ->
+    # [B, T, H, D]; the step's T new cells are each row's last ctx_lens cells and new_mask says
+    # which of them each query sees. None: gather the blocks (kernels/
+    # triton_paged_attention.py; set by the engine, never imported here).
+    paged_attention: Callable[..., torch.Tensor] | None = None
+    ctx_lens: torch.Tensor | None = None
+    new_mask: torch.Tensor | None = None
     # Paged eager forwards: attention reads these row chunks, each padded only to its own
     # longest row (None: one read of every row to ctx_len).
     chunks: tuple[ReadChunk, ...] | None = None

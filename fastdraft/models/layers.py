@@ -74,12 +74,6 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, rope)
         if isinstance(attn, GroupedAttn):
             return self.o_proj(self._grouped(q, k, v, attn))
-        if kv is not None and kv.decode_attention is not None and seq_len == 1:
-            assert kv.table is not None and attn is not None and attn.cache_positions is not None
-            _paged_write(kv, self.layer_idx, k, v)
-            out = kv.decode_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], kv.table,
-                                      attn.cache_positions[:, 0] + 1)
-            return self.o_proj(out.reshape(bsz, seq_len, -1))
         if kv is not None:
             assert attn is not None and attn.cache_positions is not None
             return self.o_proj(self._cached(q, k, v, kv, attn).reshape(bsz, seq_len, -1))
@@ -92,9 +86,14 @@ class Attention(nn.Module):
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView,
                 attn: AttnMeta) -> torch.Tensor:
         """q [B, T, Hq, D], the new k and v [B, T, Hkv, D] -> attention over the cache, [B, T,
-        Hq, D] (the new K/V stored first). A paged cache read in chunks (kv.chunks) attends
-        chunk by chunk, each chunk's rows gathered only to its own longest row."""
+        Hq, D] (the new K/V stored first). A paged cache is read by kv.paged_attention where
+        set, else in chunks (kv.chunks: each chunk's rows gathered only to its own longest
+        row), else in one gather."""
         gqa = self.num_heads != self.num_kv_heads
+        if kv.paged_attention is not None:     # a kernel reads the rows' blocks in place
+            _paged_write(kv, self.layer_idx, k, v)
+            return kv.paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], kv.table,
+                                      kv.ctx_lens, kv.new_mask)
         if kv.chunks is None:
             keys, values = _write_and_read(kv, self.layer_idx, k, v, attn)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,

@@ -130,19 +130,22 @@ def test_preempted_requests_finish_as_if_never_interrupted(tiny_checkpoint, rand
         len({(r.request_index, int(p)) for r in captured["roomy"] for p in r.positions})
 
 
-def test_the_triton_decode_attention_decodes_as_the_gather(tiny_checkpoint):
-    """paged_attention='triton': decode steps read each row's blocks in place with the kernel
-    (on the CPU, Triton's interpreter in a fresh process: it must be on before triton is
-    imported); the completions are the gather path's."""
+@pytest.mark.parametrize("spec", ["plain", "suffix"])
+def test_the_triton_paged_attention_completes_as_the_gather(tiny_checkpoint, spec):
+    """paged_attention='triton': decode and verify steps read each row's blocks in place with
+    the kernel (on the CPU, Triton's interpreter in a fresh process: it must be on before
+    triton is imported); the completions are the gather path's."""
     pytest.importorskip("triton")
     path, _ = tiny_checkpoint
-    run = subprocess.run([sys.executable, "-c", _TRITON_DECODE, str(path)], cwd=_ROOT,
+    run = subprocess.run([sys.executable, "-c", _TRITON_STEPS, str(path), spec], cwd=_ROOT,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["tokens"]["triton"] == out["tokens"]["gather"]
-    assert out["max_logprob_diff"] < 1e-4 and out["steps"] > 10
+    assert out["max_logprob_diff"] < 1e-4 and out["steps"] > 5
+    if spec == "suffix":   # trees verified, and drafts accepted: their logits counted
+        assert out["verify_steps"] > 3 and out["accepted_drafts"] > 5
     assert out["kernel_calls"] == out["steps"] * out["layers"]   # every layer of every step
 
 
@@ -157,28 +160,91 @@ def test_the_triton_decode_attention_is_refused_where_it_cannot_run(tiny_checkpo
 
 
 _ROOT = Path(__file__).resolve().parents[2]
-_TRITON_DECODE = """
+_TRITON_STEPS = """
 import json, sys
 import torch
 from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.engine.spec.config import SpecConfig
 g = torch.Generator().manual_seed(4)
 prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
 params = SamplingParams(greedy=True, max_new_tokens=14, ignore_eos=True)
+spec = (None if sys.argv[2] == "plain" else
+        SpecConfig(method=sys.argv[2], depth=3, topk=2, tokens_to_verify=6))
 out, logprobs, steps, calls = {}, {}, 0, [0]
 for name in ("gather", "triton"):
     engine = RolloutEngine(sys.argv[1], "cpu", max_batch_size=4, max_seq_len=64,
-                           kv_block_size=8, paged_attention=name)
-    kernel = engine.runner.decode_attention
-    if kernel is not None:   # count its calls: the decode steps must run through it
+                           kv_block_size=8, paged_attention=name,
+                           spec=spec)
+    kernel = engine.runner.paged_attention
+    if kernel is not None:   # count its calls: every decode and verify step must run through it
         def counted(*args, kernel=kernel):
             calls[0] += 1
             return kernel(*args)
-        engine.runner.decode_attention = counted
+        engine.runner.paged_attention = counted
     done = engine.generate(prompts, params, use_tqdm=False)
     out[name] = [c.token_ids for c in done]
     logprobs[name] = torch.tensor([lp for c in done for lp in c.logprobs])
-    steps = sum(arm == "off" for arm in engine.last_trace.arms)
+    arms = engine.last_trace.arms
+    steps = sum(arm != "prefill" for arm in arms)
+    verify_steps = sum(arm not in ("prefill", "off") for arm in arms)
 diff = float((logprobs["triton"] - logprobs["gather"]).abs().max())
 print(json.dumps({"tokens": out, "max_logprob_diff": diff, "steps": steps,
-                  "kernel_calls": calls[0], "layers": engine.config.num_hidden_layers}))
+                  "verify_steps": verify_steps, "kernel_calls": calls[0],
+                  "accepted_drafts": engine.last_stats.num_accepted,
+                  "layers": engine.config.num_hidden_layers}))
+"""
+
+
+def test_the_triton_kernel_verifies_trees_as_the_gather(tiny_checkpoint):
+    """Every node's logits of a split verify step (random trees beside plain decode rows) are
+    the gather path's: the kernel's tree mask, per-row lengths and block tables (under the
+    interpreter, as above)."""
+    pytest.importorskip("triton")
+    path, _ = tiny_checkpoint
+    run = subprocess.run([sys.executable, "-c", _TRITON_VERIFY, str(path)], cwd=_ROOT,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["kernel_calls"] == 2 * out["layers"]     # the tree rows and the plain rows
+    assert out["tree_diff"] < 1e-4 and out["plain_diff"] < 1e-4, out
+
+
+_TRITON_VERIFY = """
+import json, random, sys
+import torch
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.model_runner import ModelRunner
+from fastdraft.engine.spec.batch import DraftBatch
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.models import load_model
+from tests.engine.test_verify_split import _tree
+rng = random.Random(0)
+model = load_model(sys.argv[1])
+envelope = Envelope.for_spec(64, SpecConfig(method="eagle", depth=4, topk=2, tokens_to_verify=6))
+runner = ModelRunner(model, envelope, num_slots=5, block_size=4, paged_attention="triton")
+prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in (7, 12, 3, 9, 15)]
+for slot, prompt in enumerate(prompts):
+    runner.pages.admit(slot, prompt)
+kernel, calls = runner.paged_attention, [0]
+def counted(*args):
+    calls[0] += 1
+    return kernel(*args)
+with torch.inference_mode():
+    runner.prefill(prompts, 0)
+    root_ids = torch.tensor([rng.randrange(3, 64) for _ in prompts])
+    root_pos = torch.tensor([len(p) for p in prompts])
+    drafts = DraftBatch.from_trees([_tree(rng, 6), _tree(rng, 6)])
+    runner.pages.reserve([len(p) + 1 + 6 for p in prompts[:2]] +
+                         [len(p) + 1 for p in prompts[2:]])
+    outs = {}
+    for name, attention in (("triton", counted), ("gather", None)):
+        runner.paged_attention = attention
+        outs[name] = runner.verify_split(root_ids, root_pos, drafts, ctx_len=30,
+                                         plain_ctx_len=20)
+(tree, _), (plain, _) = outs["triton"]
+(tree_ref, _), (plain_ref, _) = outs["gather"]
+print(json.dumps({"tree_diff": float((tree - tree_ref).abs().max()),
+                  "plain_diff": float((plain - plain_ref).abs().max()),
+                  "kernel_calls": calls[0], "layers": model.config.num_hidden_layers}))
 """
