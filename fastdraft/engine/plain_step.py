@@ -41,7 +41,8 @@ class PlainSteps:
         tokens, logprobs = sample(logits, st, uniforms, mode.needs_filter)
         tokens = Handoff.first_tokens(requests, tokens)
         if self.spec.enabled:
-            self.proposer.on_prefill(Handoff.prefill_views(requests), hidden, start, tokens)
+            self.proposer.on_prefill(Handoff.prefill_views(requests), hidden, start, tokens,
+                                     share=share)
         rows = [[] if old else [(int(t), lp)] for (t, lp), old in zip(
             torch.stack([tokens.double(), logprobs.double()], 1).tolist(), resumed)]
         finished = self._postprocess(scheduler, batch, [[t for t, _ in r] for r in rows],

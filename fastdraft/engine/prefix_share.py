@@ -1,8 +1,9 @@
 """Prefilling a GRPO group's prompt once: the loop submits the n samples of a prompt together,
 so a prefill batch holds n equal prompts. Only the distinct ones are computed; every row then
 takes its prompt's K/V (a copy into its own slot), last-token logits and hidden states, so the
-rows go on exactly as if each had been prefilled (the same values: the computed row is theirs),
-and the drafter's prefill and the hidden-state capture still see one row per request."""
+rows go on exactly as if each had been prefilled (the same values: the computed row is theirs).
+The EAGLE drafter's prefill runs each distinct prompt's pairs once too (engine/spec/eagle.py),
+and the hidden-state capture still sees one row per request."""
 
 from __future__ import annotations
 

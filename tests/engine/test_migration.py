@@ -359,7 +359,7 @@ class _Recorder(Proposer):
         self.prefills: dict[int, tuple[list[int], int]] = {}
         self.tokens: dict[int, list[list[int]]] = {}
 
-    def on_prefill(self, requests, hidden, slot_start, first_tokens) -> None:
+    def on_prefill(self, requests, hidden, slot_start, first_tokens, share=None) -> None:
         for r, t in zip(requests, first_tokens.tolist()):
             assert hidden.final.shape[1] >= len(r.prompt_token_ids)
             self.prefills[r.index] = (list(r.prompt_token_ids), int(t))

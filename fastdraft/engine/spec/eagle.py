@@ -23,6 +23,7 @@ import torch
 
 from fastdraft.drafter.base import Drafter
 from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.prefix_share import SharedPrefill
 from fastdraft.engine.request import Request
 from fastdraft.engine.rng import Stream, draft_counter, uniform_keyed
 from fastdraft.engine.sampler import SamplingTensors
@@ -77,24 +78,56 @@ class EagleProposer(Proposer):
     # -------------------------------------------------------------- keep the cache in step
     @torch.inference_mode()
     def on_prefill(self, requests: list[Request], hidden: HiddenStates, slot_start: int,
-                   first_tokens: torch.Tensor) -> None:
+                   first_tokens: torch.Tensor, share: SharedPrefill | None = None) -> None:
         """Runs the drafter over each prompt's (feature of token t, token t + 1) pairs, the last
-        one pairing the last prompt token with the first generated token."""
-        lens = [len(r.prompt_token_ids) for r in requests]
+        one pairing the last prompt token with the first generated token. A GRPO group's equal
+        prompts: their pairs but the last run once, every row of the group takes a copy of
+        those cells (its own slot), then each row runs its own last pair (engine/
+        prefix_share.py does the same for the policy)."""
+        rows = torch.arange(len(requests), device=self.device)
+        if share is None or not share.shared:
+            out, last = self._pairs([r.prompt_token_ids for r in requests], hidden, slot_start,
+                                    first_tokens)
+            self._set_roots(slice(slot_start, slot_start + len(requests)), out[rows, last])
+            return
+        firsts = torch.tensor([share.source.index(i) for i in range(len(share.prompts))],
+                              device=self.device)
+        self._pairs(share.prompts, HiddenStates(hidden.final[firsts],
+                                                tuple(a[firsts] for a in hidden.aux)),
+                    slot_start, None)
+        source = slot_start + share.rows(self.device)   # gathered before any slot is written
+        for cache in (*self.k, *self.v):
+            cache[slot_start: slot_start + len(requests)] = cache[source]
+        last = torch.tensor([len(r.prompt_token_ids) - 1 for r in requests], device=self.device)
+        pos = (last + 1).unsqueeze(1)
+        feats = self.drafter.target_features(HiddenStates(
+            hidden.final[rows, last].unsqueeze(1).to(self.dtype),
+            tuple(a[rows, last].unsqueeze(1).to(self.dtype) for a in hidden.aux)))
+        out = self.advance(feats, first_tokens.unsqueeze(1), pos, self.kv(slot_start),
+                           AttnMeta(causal_pairs_mask(pos, int(last.max()) + 2),
+                                    cache_positions=pos))
+        self._set_roots(slice(slot_start, slot_start + len(requests)), out[:, 0])
+
+    def _pairs(self, prompts: list[list[int]], hidden: HiddenStates, slot_start: int,
+               first_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter over the prompts' pairs in slots slot_start.. -> (features [B, T, H],
+        each row's last pair's column [B]). first_tokens None: the last pair (which needs the
+        first generated token) is left out, its cell written with padding."""
+        lens = [len(p) for p in prompts]
         width = hidden.final.shape[1]
-        ids = torch.zeros(len(requests), width, dtype=torch.long)
-        for row, r in enumerate(requests):
-            ids[row, : lens[row] - 1] = torch.tensor(r.prompt_token_ids[1:], dtype=torch.long)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : lens[row] - 1] = torch.tensor(prompt[1:], dtype=torch.long)
         ids = ids.to(self.device)
         last = torch.tensor(lens, device=self.device) - 1
-        rows = torch.arange(len(requests), device=self.device)
-        ids[rows, last] = first_tokens
-        pos = torch.arange(1, width + 1, device=self.device).expand(len(requests), -1)
+        if first_tokens is not None:
+            ids[torch.arange(len(prompts), device=self.device), last] = first_tokens
+        pos = torch.arange(1, width + 1, device=self.device).expand(len(prompts), -1)
         feats = self.drafter.target_features(HiddenStates(
             hidden.final.to(self.dtype), tuple(a.to(self.dtype) for a in hidden.aux)))
-        out = self.advance(feats, ids, pos, self.kv(slot_start),
-                           AttnMeta(causal_pairs_mask(pos, width + 1), cache_positions=pos))
-        self._set_roots(slice(slot_start, slot_start + len(requests)), out[rows, last])
+        return self.advance(feats, ids, pos, self.kv(slot_start),
+                            AttnMeta(causal_pairs_mask(pos, width + 1),
+                                     cache_positions=pos)), last
 
     def commit(self, io: StepIO, batch: int, ctx_len: int, width: int | None = None,
                start: int = 0) -> None:

@@ -26,6 +26,7 @@ from fastdraft.engine.spec.suffix_proposer import SuffixProposer
 from fastdraft.engine.step_io import SamplingMode, StepIO
 
 if TYPE_CHECKING:
+    from fastdraft.engine.prefix_share import SharedPrefill
     from fastdraft.engine.scheduler import SlotMove
     from fastdraft.models import HiddenStates
 
@@ -79,8 +80,8 @@ class MergedProposer(Proposer):
 
     # Everything else: EAGLE keeps its cache in step, the suffix drafter its token history.
     def on_prefill(self, requests: list[Request], hidden: HiddenStates, slot_start: int,
-                   first_tokens: torch.Tensor) -> None:
-        self.eagle.on_prefill(requests, hidden, slot_start, first_tokens)
+                   first_tokens: torch.Tensor, share: SharedPrefill | None = None) -> None:
+        self.eagle.on_prefill(requests, hidden, slot_start, first_tokens, share)
 
     def on_tokens(self, request: Request, new_token_ids: list[int]) -> None:
         self.suffix.on_tokens(request, new_token_ids)

@@ -22,6 +22,7 @@ from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
 
 if TYPE_CHECKING:
+    from fastdraft.engine.prefix_share import SharedPrefill
     from fastdraft.engine.scheduler import SlotMove
     from fastdraft.engine.step_io import SamplingMode, StepIO
     from fastdraft.models import HiddenStates
@@ -35,9 +36,10 @@ class Proposer:
     drafts_on_device = False
 
     def on_prefill(self, requests: list[Request], hidden: HiddenStates, slot_start: int,
-                   first_tokens: torch.Tensor) -> None:
+                   first_tokens: torch.Tensor, share: SharedPrefill | None = None) -> None:
         """Device work after a prefill of slots slot_start..: hidden [m, T, H] of the prompts,
-        first_tokens [m] (finished requests included: their slots are simply freed)."""
+        first_tokens [m] (finished requests included: their slots are simply freed); share:
+        which rows hold equal prompts (a GRPO group; None: every row its own)."""
 
     def on_tokens(self, request: Request, new_token_ids: list[int]) -> None:
         """Host: tokens a still-running request just appended (prefill: its first token)."""
