@@ -214,7 +214,6 @@ class ModelRunner:
                 self.pages.fork(slot, firsts[source])
         return firsts
 
-
     def _own_cells(self, drafts: DraftBatch) -> torch.Tensor | None:
         """What each of a verify step's [root, nodes] sees of the step's own cells, [B, 1 + N,
         1 + N] (everyone the root, a node its ancestors and itself): the paged kernel's
@@ -242,7 +241,7 @@ def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBa
 
 
 def paged_attention_of(name: str, block_size: int, head_dim: int
-                        ) -> Callable[..., torch.Tensor] | None:
+                       ) -> Callable[..., torch.Tensor] | None:
     """The paged attention of decode and verify steps `name` names (None: the gather), or a
     ValueError that says what to change."""
     if name == "gather":

@@ -96,15 +96,17 @@ class EagleProposer(Proposer):
                                                 tuple(a[firsts] for a in hidden.aux)),
                     slot_start, None)
         source = slot_start + share.rows(self.device)   # gathered before any slot is written
-        for cache in (*self.k, *self.v):
-            cache[slot_start: slot_start + len(requests)] = cache[source]
-        last = torch.tensor([len(r.prompt_token_ids) - 1 for r in requests], device=self.device)
+        lens = [len(r.prompt_token_ids) for r in requests]
+        for cache in (*self.k, *self.v):   # the cells of the pairs: 1 .. longest prompt - 1
+            cache[slot_start: slot_start + len(requests), :, : max(lens)] = \
+                cache[source, :, : max(lens)]
+        last = torch.tensor(lens, device=self.device) - 1
         pos = (last + 1).unsqueeze(1)
         feats = self.drafter.target_features(HiddenStates(
             hidden.final[rows, last].unsqueeze(1).to(self.dtype),
             tuple(a[rows, last].unsqueeze(1).to(self.dtype) for a in hidden.aux)))
         out = self.advance(feats, first_tokens.unsqueeze(1), pos, self.kv(slot_start),
-                           AttnMeta(causal_pairs_mask(pos, int(last.max()) + 2),
+                           AttnMeta(causal_pairs_mask(pos, max(lens) + 1),
                                     cache_positions=pos))
         self._set_roots(slice(slot_start, slot_start + len(requests)), out[:, 0])
 
