@@ -8,7 +8,8 @@ download), side by side in one run:
   batch 1 at context 512 also through the whole `generate` call;
 - the speculative cycle at batch 1 (draft tree + verify + accept + commit, depth 6, 16 nodes)
   in decode steps, with the full vocabulary and a 32k draft vocabulary, and the speedup it
-  gives at accept lengths 3, 5, 7 (accept length / cycle cost);
+  gives at accept lengths 3, 5, 7 (accept length / cycle cost); with the full vocabulary also
+  with the paged cache read by the Triton kernel (decode and verify steps);
 - graph memory and capture time: one shared pool with identical shapes merged across
   speculation strategies vs one pool per strategy;
 - `rows`: a row-step's and a drafted token's cost at batch 64 / 256 (bench/row_costs.py): the
@@ -194,8 +195,8 @@ def _generate_row(cfg: GpuBenchConfig, engine: RolloutEngine, bandwidth: float,
 
 
 def _spec_engine(cfg: GpuBenchConfig, policy: Any, strategy: tuple[int, int, int],
-                 draft_vocab: int | None, max_batch: int, envelope_spec: SpecConfig
-                 ) -> RolloutEngine:
+                 draft_vocab: int | None, max_batch: int, envelope_spec: SpecConfig,
+                 paged_attention: str = "gather") -> RolloutEngine:
     depth, topk, ttv = strategy
     envelope = Envelope.for_spec(1024, envelope_spec)
     drafter = random_drafter(policy, "eagle1", envelope.rope_len)
@@ -204,7 +205,8 @@ def _spec_engine(cfg: GpuBenchConfig, policy: Any, strategy: tuple[int, int, int
                              compile=cfg.compile, draft_token_ids=token_ids)
     engine = RolloutEngine.from_model(policy, max_batch_size=max_batch, max_seq_len=1024,
                                       spec=envelope_spec, compile=cfg.compile,
-                                      proposer=proposer, share_weights=True)
+                                      proposer=proposer, share_weights=True,
+                                      paged_attention=paged_attention)
     engine.spec = SpecConfig(method="eagle", depth=depth, topk=topk, tokens_to_verify=ttv)
     return engine
 
@@ -214,17 +216,20 @@ def _cycle_rows(cfg: GpuBenchConfig, policy: Any) -> list[dict[str, Any]]:
     spec = SpecConfig(method="eagle", depth=strategy[0], topk=strategy[1],
                       tokens_to_verify=strategy[2])
     rows = []
-    for vocab in (None, cfg.draft_vocab):
-        engine = _spec_engine(cfg, policy, strategy, vocab, 1, spec)
+    # The paged cache's decode and verify read by the gather, then (full vocabulary) by the
+    # Triton kernel in place.
+    for vocab, attention in ((None, "gather"), (cfg.draft_vocab, "gather"), (None, "triton")):
+        engine = _spec_engine(cfg, policy, strategy, vocab, 1, spec, attention)
         for mode in (SamplingMode.GREEDY, SamplingMode.SAMPLED):
             costs = stage_costs(engine, context_len=512, repeats=50, mode=mode)
             row: dict[str, Any] = dict(draft_vocab=vocab or policy.config.vocab_size,
-                                       mode=mode.name.lower(), **costs)
+                                       paged_attention=attention, mode=mode.name.lower(),
+                                       **costs)
             for accept_length in (3, 5, 7):
                 row[f"speedup_at_{accept_length}"] = accept_length / costs["cycle_over_decode"]
             rows.append(row)
-            print_table([row], ["draft_vocab", "mode", "decode_ms", "cycle_ms",
-                                "cycle_over_decode", "speedup_at_5"])
+            print_table([row], ["draft_vocab", "paged_attention", "mode", "decode_ms",
+                                "cycle_ms", "cycle_over_decode", "speedup_at_5"])
         del engine
         torch.cuda.empty_cache()
     return rows
