@@ -213,7 +213,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
     @eager_shortcuts.setter
     def eager_shortcuts(self, on: bool) -> None:
         self._eager_shortcuts = on
-        self.runner.ragged_reads = on and self.runner.pages is not None
+        self.runner.ragged_reads = (on and self.runner.pages is not None
+                                    and not self.runner.compiled)
 
     def generate(self, prompt_token_ids: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,

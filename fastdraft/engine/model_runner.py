@@ -38,6 +38,7 @@ class ModelRunner:
         reads them in place)."""
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
+        self.compiled = compile
         cfg = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -46,7 +47,8 @@ class ModelRunner:
                               self.dtype, self.device) if block_size else None)
         self.paged_attention = paged_attention_of(paged_attention, block_size, cfg.head_dim)
         # Paged reads chunked by row length (engine/ragged_reads.py) plan on the host: the
-        # engine switches them on where it takes eager shortcuts (a graph needs one read).
+        # engine switches them on where it takes eager shortcuts (a graph needs one read; a
+        # compiled forward would recompile for every new chunking).
         self.ragged_reads = False
         # One tensor for every layer's K and V: moving accepted draft K/V is then one copy.
         self.kv_cache = self.pages.kv if self.pages is not None else torch.zeros(

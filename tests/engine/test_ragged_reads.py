@@ -111,3 +111,16 @@ def test_an_engine_reading_in_chunks_completes_as_one_that_does_not(
     assert [c.token_ids for c in out[0]] == [c.token_ids for c in out[1]]
     logprobs = [torch.tensor([lp for c in o for lp in c.logprobs]) for o in out]
     assert torch.allclose(*logprobs, atol=1e-5)
+
+
+def test_only_an_eager_uncompiled_paged_engine_reads_in_chunks(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    paged = RolloutEngine(path, "cpu", max_batch_size=4, max_seq_len=64, kv_block_size=4)
+    assert paged.runner.ragged_reads
+    paged.eager_shortcuts = False              # the path captured graphs run
+    assert not paged.runner.ragged_reads
+    static = RolloutEngine(path, "cpu", max_batch_size=4, max_seq_len=64, kv_block_size=0)
+    assert not static.runner.ragged_reads
+    compiled = RolloutEngine(path, "cpu", max_batch_size=4, max_seq_len=64, kv_block_size=4,
+                             compile=True)
+    assert not compiled.runner.ragged_reads
