@@ -65,7 +65,8 @@ def run_kv_bench(recipe: Path, overrides: list[str], out_dir: Path,
                                       drafter=drafter if spec.enabled else None,
                                       kv_block_size=block_size)
         engines[name].share_prompts = share
-        engines[name].runner.ragged_reads = chunked
+        if not chunked:   # the engine's own choice otherwise (chunked where it runs eagerly)
+            engines[name].runner.ragged_reads = False
     seconds = {name: 0.0 for name in ARMS}
     prefill_s = {name: 0.0 for name in ARMS}
     tokens = {name: [0, 0] for name in ARMS}   # [prompt tokens of every row, computed]

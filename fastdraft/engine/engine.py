@@ -74,7 +74,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         actor rank 0: rl/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
         block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
         what static slots would hold, so no request ever waits for blocks); paged_attention:
-        "gather" or "triton" (decode steps read the blocks in place; model_runner.py)."""
+        "gather" or "triton" (decode and verify steps read the blocks in place;
+        model_runner.py)."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
@@ -313,9 +314,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         progress is preempted: its blocks are freed, and it waits to be recomputed."""
         pages = self.runner.pages
         assert pages is not None
-        tree = self.envelope.cache_len - self.envelope.max_seq_len
         while True:
-            ends = [r.num_tokens + tree for r in scheduler.running]
+            ends = [r.num_tokens + self.envelope.tree_cells for r in scheduler.running]
             if pages.blocks_to_write(ends) <= pages.num_free or len(scheduler.running) == 1:
                 break
             victim = min(reversed(scheduler.running), key=lambda r: len(r.output_token_ids))

@@ -54,6 +54,12 @@ class KVView:
     # longest row (None: one read of every row to ctx_len).
     chunks: tuple[ReadChunk, ...] | None = None
 
+    @property
+    def reads_mask(self) -> bool:
+        """Whether attention reads the forward's mask (a kernel builds its own from ctx_lens
+        and new_mask; read chunks carry their rows' bias)."""
+        return self.paged_attention is None and self.chunks is None
+
     def rows(self, layer_idx: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s K and V of the batch's slots, as views [B, Hkv, cache_len, D]."""
         end = self.slot_start + num_rows
@@ -128,7 +134,8 @@ class GroupedAttn:
     groups: tuple[RowGroup, ...]
 
     def with_bias(self, dtype: torch.dtype) -> GroupedAttn:
-        return GroupedAttn(tuple(replace(g, attn=g.attn.with_bias(dtype)) for g in self.groups))
+        return GroupedAttn(tuple(replace(g, attn=g.attn.with_bias(dtype)) if g.kv.reads_mask
+                                 else g for g in self.groups))
 
 
 def causal_cache_meta(positions: torch.Tensor, ctx_len: int) -> AttnMeta:

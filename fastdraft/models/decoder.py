@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
         """
         h = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
-        if attn is not None:
+        if attn is not None and (kv is None or kv.reads_mask):   # converted once, not per layer
             attn = attn.with_bias(h.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):

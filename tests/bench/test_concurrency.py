@@ -28,12 +28,13 @@ def test_the_8b_recipe_with_the_bundled_trace(tmp_path):
     out = concurrency(cfg, DEFAULT_TRACE, 16)
     trace = json.loads(DEFAULT_TRACE.read_text())
     assert trace["source"].startswith("https://github.com/")
-    # 3072 cells + a 16-token tree and its root; answers 1267/3072 of the 2048 budget
-    assert out["static_cells_per_request"] == 3072 + 17
+    # the engine's slot: 3072 cells + the tree cells (the memory plan's "64 slots x 3092
+    # cells"); answers 1267/3072 of the 2048 budget
+    assert out["static_cells_per_request"] == 3092
     answer = 1267.024169921875 / 3072 * 2048
     own = -(-(150 % 16 + answer) // 16)
     assert out["paged_cells_per_request"] == pytest.approx((150 // 16 / 8 + own) * 16)
-    assert out["concurrency_ratio"] == pytest.approx(3089 / out["paged_cells_per_request"])
+    assert out["concurrency_ratio"] == pytest.approx(3092 / out["paged_cells_per_request"])
 
 
 def test_prompt_blocks_are_held_once_a_group(tmp_path):
