@@ -1,6 +1,6 @@
 """`fastdraft bench cluster`: what the Ray backend's idle workers buy, side by side in one run.
 
-Four runs of one recipe, steps interleaved (run A step 0, run B step 0, ...) with the same seeds,
+Six runs of one recipe, steps interleaved (run A step 0, run B step 0, ...) with the same seeds,
 so machine drift hits all alike; the Ray runs use `cluster.rollout_workers` workers (default 2)
 of one thread each:
 
@@ -11,20 +11,23 @@ of one thread each:
   actor's update has every core);
 - ray_consolidate: ray_on with tail consolidation (cluster.consolidate_below, --consolidate-
   below): a worker's last requests move to the worker still generating, and the donor trains.
+- ray_dp: ray_on with cluster.drafter_training=data_parallel: a trainer member on every worker's
+  bundle, the idle workers' members training together (cluster/trainer_group.py).
+--seeds N runs ray_off / ray_on again with the next N - 1 seeds.
 
-Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time (the target: <= 1.10) beside
-the single process's `local_exposed_cost`, and per answer token (`exposed_cost_per_token`: the
-arms' answers differ in length, the same law but different samples); `adaptive_vs_stale`: every
-run's engine loads the ray_on run's final policy, then the same prompts and seeds are rolled
-out with each run's drafter (bench drafter's drift evaluation): the accept length of the drafter
-trained on idle workers over the warm-up drafter's (ray_off), and over today's (local_on);
+Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time, the mean over the seeds'
+pairs (the target: <= 1.10), beside the single process's `local_exposed_cost`, and per answer
+token (`exposed_cost_per_token`: the arms' answers differ in length, the same law but
+different samples); `adaptive_vs_stale`: every run's engine loads the ray_on run's final
+policy, then the same prompts and seeds are rolled out with each run's drafter (bench
+drafter's drift evaluation): the accept length of the drafter trained on idle workers over the
+warm-up drafter's (ray_off), and over today's (local_on); `dp_vs_one`: ray_dp's over ray_on's;
 `sim_error`: the cluster simulator (cluster/simulator.py) replays each Ray run's steps (its
 answer lengths, its engine steps' measured unit costs, its update and push times) and
 |simulated - measured| / measured step time is reported, the rollout alone too;
 `consolidation_rollout_ratio`: ray_consolidate / ray_on mean rollout time (with the requests
-moved per step). Then the
-simulator's projections for 8 / 64 / 256 GPUs at 7B and 32B shapes, from `bench gpu` JSON
-(--gpu-json) or the H100 floors below, labelled as projections."""
+moved per step). Then the simulator's projections for 8 / 64 / 256 GPUs at 7B and 32B shapes,
+from `bench gpu` JSON (--gpu-json) or the H100 floors below, labelled as projections."""
 
 from __future__ import annotations
 
@@ -47,7 +50,11 @@ ARMS = {"local_off": ["drafter.online.enabled=false"],
         "local_on": [],
         "ray_off": [*RAY, "drafter.online.enabled=false"],
         "ray_on": [*RAY, "drafter.online.during_update=false"],
-        "ray_consolidate": [*RAY, "drafter.online.during_update=false"]}   # + consolidate_below
+        "ray_consolidate": [*RAY, "drafter.online.during_update=false"],   # + consolidate_below
+        "ray_dp": [*RAY, "drafter.online.during_update=false",
+                   "cluster.drafter_training=data_parallel"]}
+#: The arms repeated with more seeds (--seeds): the ones exposed_drafter_cost compares.
+PAIR = ("ray_off", "ray_on")
 # H100 floors at the Qwen2.5-7B shape with CUDA graphs (measured by an earlier `bench gpu`):
 # a decode step 7.07 ms, a 13-token verify 1.11 decode steps, one draft level 0.044 decode
 # steps (32k draft vocab). The per-row cost is the KV read of one 1500-token row at 3.35 TB/s
@@ -62,18 +69,25 @@ H100_32B = UnitCosts(step_base_s=7.07e-3 * 32.8 / 7.6, step_row_s=1500 * 262e3 /
 
 def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
                       json_path: Path | None = None, cache_dir: Path | None = None,
-                      gpu_json: Path | None = None, consolidate_below: int = 16
-                      ) -> dict[str, Any]:
+                      gpu_json: Path | None = None, consolidate_below: int = 16,
+                      seeds: int = 1) -> dict[str, Any]:
     import ray
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
     base = load_recipe(recipe, [*RAY, "cluster.rollout_workers=2", *overrides])
+    arms = dict(ARMS)
+    for s in range(1, seeds):   # the pair again, each with the next seed
+        arms.update({_seeded(name, s): [*ARMS[name], f"seed={base.seed + s}"] for name in PAIR})
     workers = base.cluster.rollout_workers
-    # Logical CPUs for every Ray run's workers at once; only one run steps at a time.
-    ray.init(num_cpus=4 * workers, include_dashboard=False, log_to_driver=False)
+    # Logical CPUs for every Ray run's workers at once (a placement group waits for its
+    # bundles' CPUs); only one run steps at a time.
+    ray_arms = sum("cluster.backend=ray" in extra for extra in arms.values())
+    ray.init(num_cpus=ray_arms * workers + 2, include_dashboard=False, log_to_driver=False)
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
              "drafter.export=false", f"cluster.rollout_workers={workers}"]
     runs: dict[str, Run] = {}
     try:
-        for name, extra in ARMS.items():
+        for name, extra in arms.items():
             shutil.rmtree(out_dir / name, ignore_errors=True)
             local = "cluster.backend=ray" not in extra
             arm = [*overrides, *quiet, *extra]
@@ -83,7 +97,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
                 arm = [o for o in arm if not o.startswith("cluster.")]
             runs[name] = Run(load_recipe(recipe, arm), out_dir / name, cache_dir=cache_dir)
         rows, shapes = _interleave(runs, base.algorithm.num_steps)
-        drift = drift_eval(runs, base.algorithm.num_steps, source="ray_on")
+        drift = drift_eval({name: runs[name] for name in ARMS}, base.algorithm.num_steps,
+                           source="ray_on")
     finally:
         for run in runs.values():
             run.close_after_failure()
@@ -96,6 +111,10 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
     def answer_tokens(name: str) -> float:
         return sum(r["rollout/response_len_mean"] for r in rows[name][steps])
 
+    exposed = [step_s(_seeded("ray_on", s)) / step_s(_seeded("ray_off", s))
+               for s in range(seeds)]
+    tokens_ratio = [answer_tokens(_seeded("ray_on", s)) / answer_tokens(_seeded("ray_off", s))
+                    for s in range(seeds)]
     sims = {name: _sim_error(runs[name], rows[name][steps], shapes[name][steps], workers)
             for name in ("ray_off", "ray_on")}
     payload: dict[str, Any] = {
@@ -104,20 +123,23 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "step_s": {name: step_s(name) for name in runs},
         "rollout_s": {name: mean(r["timing/rollout_s"] for r in rows[name][steps])
                       for name in runs},
-        "exposed_drafter_cost": step_s("ray_on") / step_s("ray_off"),
         # The arms' policies drift apart (a drafter changes which samples a seed gives, not
-        # their law), so their answers' lengths do: the same ratio per answer token beside it.
-        "answer_tokens_ratio": answer_tokens("ray_on") / answer_tokens("ray_off"),
-        "exposed_cost_per_token": (step_s("ray_on") / answer_tokens("ray_on"))
-        / (step_s("ray_off") / answer_tokens("ray_off")),
+        # their law), so their answers' lengths do, and with them the step times: one seed's
+        # ratio moved between 1.00 and 1.18 on the same code. The mean over --seeds pairs,
+        # each seed's ratio, and the ratio per answer token beside it.
+        "seeds": seeds,
+        "exposed_drafter_cost_per_seed": exposed,
+        "exposed_drafter_cost": mean(exposed),
+        "answer_tokens_ratio": mean(tokens_ratio),
+        "exposed_cost_per_token": mean(e / t for e, t in zip(exposed, tokens_ratio)),
         "local_exposed_cost": step_s("local_on") / step_s("local_off"),
         "train_tokens_on_idle": sum(r.get("drafter/train_tokens_on_idle", 0.0)
                                     for r in rows["ray_on"]),
         "train_tokens": {name: rows[name][-1].get("drafter/train_tokens", 0.0)
                          for name in ("local_on", "ray_on")},
         "idle_fraction": {name: mean(r["cluster/idle_fraction"] for r in rows[name][steps])
-                          for name in ("ray_off", "ray_on", "ray_consolidate")},
-        "accept_length": {name: drift[name]["eval_accept_length"] for name in runs},
+                          for name in ("ray_off", "ray_on", "ray_consolidate", "ray_dp")},
+        "accept_length": {name: drift[name]["eval_accept_length"] for name in drift},
         "adaptive_vs_stale": drift["ray_on"]["eval_accept_length"]
         / drift["ray_off"]["eval_accept_length"],
         "adaptive_vs_today": drift["ray_on"]["eval_accept_length"]
@@ -125,6 +147,12 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "rewards": {name: [r["reward/mean"] for r in rows[name]] for name in runs},
         "simulation": sims,
         "sim_error": max(s["step_error"] for s in sims.values()),
+        # Data-parallel training on every idle worker's device vs one trainer fed by all.
+        "dp_exposed_drafter_cost": step_s("ray_dp") / step_s("ray_off"),
+        "dp_train_tokens_on_idle": sum(r.get("drafter/train_tokens_on_idle", 0.0)
+                                       for r in rows["ray_dp"]),
+        "dp_vs_one": drift["ray_dp"]["eval_accept_length"]
+        / drift["ray_on"]["eval_accept_length"],
         "consolidate_below": consolidate_below,
         "consolidation_rollout_ratio": mean(r["timing/rollout_s"] for r in
                                             rows["ray_consolidate"][steps])
@@ -135,6 +163,11 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
     if json_path is not None:
         write_json(json_path, payload)
     return payload
+
+
+def _seeded(name: str, seed: int) -> str:
+    """Arm `name` run with the recipe's seed + `seed` (0: the arm itself)."""
+    return f"{name}+seed{seed}" if seed else name
 
 
 @dataclass(frozen=True)
@@ -248,8 +281,9 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     lines = [f"bench cluster: {out['num_steps']} steps each, {out['rollout_workers']} Ray rollout "
              "workers of 1 thread (step 0 left out of the means)",
              "  mean step s: " + "  ".join(f"{k} {v:.2f}" for k, v in out["step_s"].items()),
-             f"  exposed_drafter_cost (ray_on / ray_off step time): "
-             f"{out['exposed_drafter_cost']:.3f}   (single process, local_on / local_off: "
+             f"  exposed_drafter_cost (ray_on / ray_off step time, mean of {out['seeds']} "
+             f"seed(s): " + " ".join(f"{e:.3f}" for e in out["exposed_drafter_cost_per_seed"])
+             + f"): {out['exposed_drafter_cost']:.3f}   (single process, local_on / local_off: "
              f"{out['local_exposed_cost']:.3f})",
              f"  per answer token: {out['exposed_cost_per_token']:.3f} (ray_on wrote "
              f"{out['answer_tokens_ratio']:.3f}x ray_off's answer tokens)",
@@ -265,6 +299,9 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
                f"{s['simulated_rollout_s']:.2f}s vs {s['measured_rollout_s']:.2f}s (error "
                f"{s['rollout_error']:.3f})" for name, s in sim.items()),
              f"  sim_error (worst step-time error): {out['sim_error']:.3f}",
+             f"  data-parallel drafter training (ray_dp): exposed cost "
+             f"{out['dp_exposed_drafter_cost']:.3f}, {out['dp_train_tokens_on_idle']:.0f} tokens "
+             f"on idle workers, accept vs one trainer (dp_vs_one) {out['dp_vs_one']:.3f}",
              f"  consolidation_rollout_ratio (ray_consolidate / ray_on rollout time, "
              f"consolidate_below={out['consolidate_below']}): "
              f"{out['consolidation_rollout_ratio']:.3f}; {out['migrated_per_step']:.1f} "

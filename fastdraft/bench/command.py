@@ -63,6 +63,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "(default: the bundled fastdraft/bench/traces/ one)")
     p.add_argument("--shapes-recipe", type=Path, default=Path("recipes/qwen3-8b-grpo.yaml"),
                    help="kv: the recipe whose shapes concurrency_ratio takes")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="cluster: run the ray_off / ray_on pair with this many seeds (the "
+                        "recipe's, then the next ones): exposed_drafter_cost is their mean")
     p.add_argument("--consolidate-below", type=int, default=16,
                    help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
                         "worker's tail of fewer requests moves to a generating worker)")
@@ -126,7 +129,8 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
     extra = ({"rounds": args.repeats} if args.which == "rollout" else
              {"rounds": args.repeats, "trace": args.trace, "shapes_recipe": args.shapes_recipe}
              if args.which == "kv" else
-             {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below}
+             {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below,
+              "seeds": args.seeds}
              if args.which == "cluster" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
               args.json, args.cache_dir, **extra)

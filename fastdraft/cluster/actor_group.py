@@ -1,13 +1,16 @@
 """The actor's ranks 1..N-1 as Ray actors (cluster.backend=ray): one worker group, placed by
-Ray in a placement group (one bundle a rank: its threads, or its GPU), torch.distributed (gloo
-on the CPU, nccl on GPUs) inside them exactly as in the process ranks (rl/actor_peers.py),
-whose interface this keeps: rank 0 (the driver) sends a command to every follower, then
-gathers their answers in rank order, so the collectives inside pair up across ranks. A rank
-that died, failed or went silent is an ActorRankError naming it."""
+Ray in a placement group of its own (one bundle a rank: its threads, or its GPU), or with
+cluster.placement=colocated on the rollout workers' bundles (rank r beside worker r, sharing
+its device while the worker sleeps). torch.distributed (gloo on the CPU, nccl on GPUs) runs
+inside them exactly as in the process ranks (rl/actor_peers.py), whose interface this keeps:
+rank 0 (the driver) sends a command to every follower, then gathers their answers in rank
+order, so the collectives inside pair up across ranks. A rank that died, failed or went
+silent is an ActorRankError naming it."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from fastdraft.rl.actor_peers import REPLY_TIMEOUT_S, ActorRankError
@@ -29,28 +32,50 @@ class _Rank:
     def pid(self) -> int:
         return os.getpid()
 
+    def placement(self) -> tuple[str, str]:
+        import ray
+        context = ray.get_runtime_context()
+        return str(context.get_placement_group_id()), context.get_node_id()
+
 
 class RayActorPeers:
     """Rank 0's handle on ranks 1..N-1 as Ray actors."""
 
-    def __init__(self, spec: ActorSpec, num_threads: int = 1) -> None:
+    def __init__(self, spec: ActorSpec, num_threads: int = 1,
+                 placement: Callable[[int], dict[str, Any]] | None = None) -> None:
+        """placement: rank -> its Ray options, where the ranks share bundles made elsewhere
+        (colocated placement: the rollout workers', RolloutPool.actor_rank_options); None:
+        a placement group of their own, one bundle (its threads, its GPU) a rank."""
+        import ray
+        cls = ray.remote(_Rank)
+        self.group = None
+        if placement is None:
+            self.group, placement = self._own_group(spec, num_threads)
+        # The rank's ActorRank builds (and joins the process group) in its constructor: rank
+        # 0's rendezvous waits for it, as with process ranks.
+        self.ranks = [cls.options(max_restarts=0, **placement(rank)).remote(
+            spec, rank, num_threads) for rank in range(1, spec.actor.num_ranks)]
+        self._pending: list[Any] = [r.pid.remote() for r in self.ranks]
+
+    @staticmethod
+    def _own_group(spec: ActorSpec, num_threads: int
+                   ) -> tuple[Any, Callable[[int], dict[str, Any]]]:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        followers = spec.actor.num_ranks - 1
         gpus = 1 if spec.device.startswith("cuda") else 0
         bundle = {"CPU": num_threads, **({"GPU": gpus} if gpus else {})}
-        self.group = placement_group([bundle] * followers, strategy="PACK")
-        ray.get(self.group.ready())
-        cls = ray.remote(_Rank)
-        # The rank's ActorRank builds (and joins the process group) in its constructor: rank
-        # 0's rendezvous waits for it, as with process ranks.
-        self.ranks = [cls.options(
-            num_cpus=num_threads, num_gpus=gpus, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.group, placement_group_bundle_index=rank - 1)).remote(spec, rank, num_threads)
-            for rank in range(1, spec.actor.num_ranks)]
-        self._pending: list[Any] = [r.pid.remote() for r in self.ranks]
+        group = placement_group([bundle] * (spec.actor.num_ranks - 1), strategy="PACK")
+        ray.get(group.ready())
+        return group, lambda rank: {
+            "num_cpus": num_threads, "num_gpus": gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank - 1)}
+
+    def placements(self) -> list[tuple[str, str]]:
+        """Every follower's (placement group id, node id), as Ray placed it."""
+        import ray
+        return ray.get([r.placement.remote() for r in self.ranks])
 
     def send(self, name: str, per_rank_args: list[tuple] | tuple = ()) -> None:
         self._pending = [rank.call.remote(name, per_rank_args[i] if per_rank_args and isinstance(
@@ -96,4 +121,5 @@ class RayActorPeers:
             return
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
-        remove_placement_group(self.group)
+        if self.group is not None:   # bundles shared with the rollout workers stay theirs
+            remove_placement_group(self.group)

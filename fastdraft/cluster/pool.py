@@ -19,6 +19,7 @@ it."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -44,9 +45,10 @@ from fastdraft.engine.trace import RolloutTrace
 from fastdraft.trainer.collector import SampleCollector
 
 OnFinish = Callable[[Completion], None]
-#: Of a worker's GPU, what the drafter trainer's actor claims (Ray's bookkeeping: both
-#: processes see the whole device).
+#: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
+#: the actor rank beside it (Ray's bookkeeping: every process sees the whole device).
 TRAINER_GPU_SHARE = 0.1
+ACTOR_GPU_SHARE = 0.4
 
 
 class RolloutPool:
@@ -73,26 +75,56 @@ class RolloutPool:
         self.last_parts: list[WorkerRollout] = []   # what each worker call of the last rollout did
         self.last_migrated = 0   # requests that changed worker in the last rollout
         self.last_push_s = 0.0
+        self.last_released_bytes = 0   # what the workers gave back for the actor's update
         self.reruns = 0   # requests re-run after their worker died (this run)
         self.tickets = itertools.count(1)   # numbers every worker call: accept / peers name one
         self.calls: RolloutCalls | None = None   # the latest rollout's worker calls
         # Called when a worker's share is done while others still generate; True when that
         # promoted the worker to drafter training (the online drafter's on_worker_idle).
-        self.idle_hook: Callable[[], bool] | None = None
+        self.idle_hook: Callable[[int], bool] | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.cfg.placement == "colocated"
 
     def _start(self, index: int) -> Any:
+        share = 1 - TRAINER_GPU_SHARE - (ACTOR_GPU_SHARE if self.colocated else 0.0)
         cls = self._remote_class().options(
-            num_cpus=self.bundle["CPU"], **self._in_bundle(index, 1 - TRAINER_GPU_SHARE),
+            num_cpus=self.bundle["CPU"], **self._in_bundle(index, share),
             name=None, max_restarts=0)
         return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
 
-    def trainer_options(self) -> dict[str, Any]:
-        """Where the online drafter's trainer actor goes (cluster/trainer_actor.py): the last
-        worker's bundle, no cores of its own. That worker's device is the trainer's (on a GPU
-        node its GPU, shared with the worker), and the last worker is the first to go idle
-        under `concentrate` dispatch (it holds the shortest groups): the trainer is promoted
-        when a worker's share is done, and trains beside the tail of the others."""
-        return {"num_cpus": 0, **self._in_bundle(len(self.workers) - 1, TRAINER_GPU_SHARE)}
+    def driver_device(self, device: str) -> str:
+        """The device this process (the actor's rank 0) computes on with colocated placement:
+        on GPUs worker 0's, as this process numbers them (it sees every GPU of its node,
+        the worker only its own); `device` elsewhere."""
+        import ray
+        if not self.device.startswith("cuda"):
+            return device
+        gpu, node = ray.get(self.workers[0].gpu.remote())
+        if node != ray.get_runtime_context().get_node_id():
+            raise ValueError("cluster.placement=colocated: rollout worker 0 is on another node "
+                             "than the driver, whose process is the actor's rank 0; start "
+                             "the run on a node with GPUs of the cluster")
+        return cuda_name(gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def actor_rank_options(self, rank: int) -> dict[str, Any]:
+        """Where colocated actor rank `rank` (1..N-1) goes: rollout worker `rank`'s bundle and
+        device, no cores of its own (it computes while the worker sleeps)."""
+        if not self.colocated:
+            raise ValueError("actor ranks share the rollout workers' bundles only with "
+                             "cluster.placement=colocated")
+        return {"num_cpus": 0, **self._in_bundle(rank, ACTOR_GPU_SHARE)}
+
+    def trainer_options(self, index: int | None = None) -> dict[str, Any]:
+        """Where an online drafter's trainer actor goes (cluster/trainer_actor.py): worker
+        `index`'s bundle (a data-parallel member each; default: the last worker's), no cores
+        of its own. That worker's device is the trainer's (on a GPU node its GPU, shared with
+        the worker), and the last worker is the first to go idle under `concentrate` dispatch
+        (it holds the shortest groups): the trainer is promoted when a worker's share is
+        done, and trains beside the tail of the others."""
+        index = len(self.workers) - 1 if index is None else index
+        return {"num_cpus": 0, **self._in_bundle(index, TRAINER_GPU_SHARE)}
 
     def _in_bundle(self, index: int, gpu_share: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -166,10 +198,12 @@ class RolloutPool:
                 call.forward(k, part.migrated)
             call.tell_peers()
             if (call.pending and k not in call.busy() and self.idle_hook is not None
-                    and self.idle_hook()):
+                    and self.idle_hook(k)):
                 training[k] = time.time()
         self._account(done, training, start, time.time(), n)
         self.last_migrated = call.migrated
+        if self.colocated:   # the actor's update comes next, on the workers' devices
+            self.last_released_bytes = sum(filter(None, self._on_all(lambda w: w.sleep.remote())))
         out = [c for c in results if c is not None]
         for g in groups:
             self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
@@ -283,26 +317,30 @@ class RolloutPool:
         ray.get([w.load_state_dict.remote(replicas[i % len(replicas)])
                  for i, w in enumerate(self.workers)])
 
-    def _on_all(self, call: Callable[[Any], Any]) -> None:
+    def _on_all(self, call: Callable[[Any], Any]) -> list[Any]:
         """call(worker) on every worker and wait; a worker found dead is replaced (and starts
-        from the current state), so a broadcast never leaves a worker behind."""
-        self._wait([call(w) for w in self.workers])
+        from the current state), so a broadcast never leaves a worker behind. The answers
+        (None from a replaced worker)."""
+        return self._wait([call(w) for w in self.workers])
 
-    def _wait(self, futures: list[Any]) -> None:
+    def _wait(self, futures: list[Any]) -> list[Any]:
         """Waits for calls made on the workers in order (len(workers) a round); a worker that
-        died is replaced from the current state, which the failed call was part of."""
+        died is replaced from the current state, which the failed call was part of. The
+        answers, None where the worker died."""
         import ray
         replaced: set[int] = set()
+        answers: list[Any] = [None] * len(futures)
         for i, future in enumerate(futures):
             k = i % len(self.workers)
             try:
-                ray.get(future)
+                answers[i] = ray.get(future)
             except ray.exceptions.RayActorError as err:
                 if k not in replaced:
                     print(f"cluster: rollout worker {k} died ({type(err).__name__}); "
                           "replacing it")
                     self.replace_worker(k)
                     replaced.add(k)
+        return answers
 
     def replace_worker(self, k: int) -> None:
         import ray
@@ -335,6 +373,18 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
+
+
+def cuda_name(gpu_id: str, visible: str | None) -> str:
+    """A GPU as Ray numbers it on the node -> this process's name for it (CUDA numbers the
+    devices CUDA_VISIBLE_DEVICES lists, in its order)."""
+    if not visible:
+        return f"cuda:{int(gpu_id)}"
+    listed = [v.strip() for v in visible.split(",")]
+    if gpu_id not in listed:
+        raise ValueError(f"GPU {gpu_id} (rollout worker 0's) is not in this process's "
+                         f"CUDA_VISIBLE_DEVICES={visible}")
+    return f"cuda:{listed.index(gpu_id)}"
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int

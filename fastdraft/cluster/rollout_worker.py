@@ -154,6 +154,16 @@ class RolloutWorker:
                              checksum: str | None) -> int:
         return self.engine.load_drafter_weights(named, version, checksum=checksum)
 
+    def gpu(self) -> tuple[str, str]:
+        """(the GPU Ray gave this worker, as the node numbers it; its node id)."""
+        context = ray.get_runtime_context()
+        return str(context.get_accelerator_ids()["GPU"][0]), context.get_node_id()
+
+    def sleep(self) -> int:
+        """The engine's device memory back until its next call (engine/updates.py sleep);
+        the bytes given back."""
+        return self.engine.sleep()
+
     def set_spec(self, spec: SpecConfig, fallback_reason: str | None) -> None:
         """Speculation as the driver's engine has it (a health fallback, or back on)."""
         if fallback_reason is not None:

@@ -98,14 +98,15 @@ class TrainerActor:
 
 class RayTrainer(TrainerHandle):
     """The loop's handle on a TrainerActor; `options`: where Ray places it (the pool's
-    trainer_options: a rollout worker's bundle)."""
+    trainer_options: a rollout worker's bundle). body, args: the actor's class and its
+    arguments after the setup (a data-parallel member: cluster/trainer_group.py)."""
 
     def __init__(self, setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], body: type = TrainerActor, args: tuple = ()) -> None:
         import ray
         super().__init__(stats)
         self.reply_timeout_s = cfg.reply_timeout_s
-        self.actor = ray.remote(TrainerActor).options(max_restarts=0, **options).remote(setup)
+        self.actor = ray.remote(body).options(max_restarts=0, **options).remote(setup, *args)
         self._pending: list[tuple[str, tuple]] = []
         self._going = False
         self._pausing: Any = None   # the future of a pause not waited for yet
@@ -143,13 +144,18 @@ class RayTrainer(TrainerHandle):
             self._send()
 
     # control
-    def go(self) -> None:
+    def go(self, worker: int | None = None, every: bool = False) -> None:
         """Train now; while training, what is held is sent (the tail's samples reach it)."""
         if self._going:
             self._send()
             return
         self._going = True
         self._call("go")
+
+    def join(self, round_id: int, members: tuple[int, ...], train: bool) -> None:
+        """A data-parallel member into round `round_id` (cluster/trainer_group.py)."""
+        self._going = self._going or train
+        self._call("join", round_id, members, train)
 
     def pause(self) -> None:
         """Stops training without waiting: the micro-step running now ends at the lowest CPU
@@ -165,6 +171,10 @@ class RayTrainer(TrainerHandle):
         pausing, self._pausing = self._pausing, None
         if pausing is not None:
             self.stats = self._get(pausing, "pause")
+
+    def ping(self) -> None:
+        """Raises WorkerFailure when the actor died or hangs."""
+        self._get(self._call("pid"), "pid")
 
     def publish(self, min_steps: int = 0) -> Published:
         self.settle()

@@ -41,6 +41,7 @@ from fastdraft.engine.plain_step import PlainSteps
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler, SlotMove
+from fastdraft.engine.sleep import Released
 from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
@@ -167,6 +168,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.hidden_sink: HiddenSink | None = None  # set for the length of a generate call
         device = self.runner.device
         self.graphs = GraphPool(device, graphs)
+        self._released = Released()   # device memory given back by sleep (engine/sleep.py)
         self.buckets = buckets or BucketPlan.build(max_batch_size, envelope.cache_len,
                                                    exact=not self.graphs.enabled)
         self.eager_shortcuts = device.type == "cpu" and not self.graphs.enabled
@@ -237,6 +239,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         leaves fewer (but some) unfinished requests, and should_yield() agrees, the call
         stops: its unfinished requests go to `engine.last_migrated` (index order), and the
         list returned holds only the finished ones (then partial: use Completion.index)."""
+        self.wake()   # memory given back while a colocated actor updated (engine/updates.py)
         requests = make_requests(prompt_token_ids, params, self.config.vocab_size,
                                  self.max_seq_len, self.eos_token_ids, stream_ids)
         handoff = Handoff(self.config.vocab_size, self.max_seq_len, self.eos_token_ids, inbox,

@@ -59,6 +59,10 @@ class GraphPool:
             graph = self._graphs[key] = self._capture(stage)
         graph.replay()
 
+    def clear(self) -> None:
+        """Drops every captured graph (their buffers moved); the next run of a key captures."""
+        self._graphs.clear()
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
 

@@ -1,7 +1,8 @@
 """What changes in a RolloutEngine between generate calls, from outside: the policy's weights
 after every actor update, the drafter's after every publish, speculation off (a drafter that
-went bad) and on again, the state a resumed run puts back, the end of an RL step. Part of
-RolloutEngine (a mixin: the engine's attributes are its own)."""
+went bad) and on again, the state a resumed run puts back, the end of an RL step, and its
+device memory given back while a colocated actor updates (sleep). Part of RolloutEngine (a
+mixin: the engine's attributes are its own)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,44 @@ from collections.abc import Iterable
 
 import torch
 
+from fastdraft.engine.sleep import Released
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import load_named_tensors
 from fastdraft.utils.digest import tensor_digest
 
 
 class BetweenSteps:
+    _released: Released
+
+    def sleep(self, weights: bool | None = None) -> int:
+        """Gives back the device memory of the policy's KV cache and, with weights, of its
+        weights (copied to the host first) until a call needs them: generate, load_weights
+        and load_drafter_weights wake the engine by themselves (`wake`). weights=None: on a
+        CUDA device only (on the CPU they are host memory already). The drafter stays.
+        Returns the bytes given back."""
+        device = self.runner.device
+        self._released.free([self.runner.kv_cache], keep=False)
+        if weights if weights is not None else device.type == "cuda":
+            self._released.free(self.model.parameters(), keep=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()   # to the driver: the actor rank is another process
+        return self._released.nbytes
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    def wake(self) -> None:
+        """The memory `sleep` gave back, allocated again: the weights as they were, the cache
+        zeroed; graphs captured before are void (the storages moved) and are captured again."""
+        if self._released:
+            self._released.restore()
+            self.graphs.clear()
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
         """Updates the policy in place (HF names); returns the new policy version."""
+        self.wake()
         load_named_tensors(self.model, named_tensors)
         self.proposer.refresh()
         self.policy_version = self.policy_version + 1 if version is None else version
@@ -28,6 +58,7 @@ class BetweenSteps:
         """Updates the drafter's trainable tensors in place; returns the new drafter version.
         checksum (utils/digest.tensor_digest of the tensors, as published): checked before
         anything is loaded, so a corrupted drafter never reaches the engine."""
+        self.wake()   # the drafter may read the policy's embedding / head
         drafter = self.model_drafter
         if drafter is None:
             raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")

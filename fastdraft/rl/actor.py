@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class UpdateResult:
 
 
 class Actor:
-    def __init__(self, spec: ActorSpec, peers: type = ActorPeers) -> None:
+    def __init__(self, spec: ActorSpec, peers: Callable[..., Any] = ActorPeers) -> None:
         """peers: how ranks 1..N-1 run: processes of this one (ActorPeers) or Ray actors
         (cluster/actor_group.RayActorPeers); same commands, same answers."""
         self.world = spec.actor.num_ranks

@@ -133,15 +133,19 @@ class OnlineDrafter:
         if self._remaining < self._threshold:
             self.worker.go()   # the long tail: the engine runs few rows
 
-    def on_worker_idle(self) -> bool:
-        """A rollout worker finished its share while others still generate (Ray backend): its
-        device is free for the rest of the rollout, so the trainer starts now, whatever the
-        tail threshold says (the coordinator's promotion of an idle worker). True when this
-        call promoted it (the first idle worker: one trainer, fed by every worker's samples)."""
-        if not self.consuming or self._tokens_at_idle is not None:
+    def on_worker_idle(self, worker: int | None = None) -> bool:
+        """Rollout worker `worker` finished its share while others still generate (Ray
+        backend): its device is free for the rest of the rollout, so the trainer starts now,
+        whatever the tail threshold says (the coordinator's promotion of an idle worker). True
+        when this call promoted it: one trainer (fed by every worker's samples) on the first
+        idle worker, a data-parallel group (cluster/trainer_group.py) on each."""
+        if not self.consuming:
             return False
-        self._tokens_at_idle = self._stats().tokens
-        self.worker.go()
+        if self._tokens_at_idle is None:
+            self._tokens_at_idle = self._stats().tokens
+        elif not self.worker.per_worker:
+            return False
+        self.worker.go(worker)
         return True
 
     def end_rollout(self, rewards: list[float]) -> None:
@@ -161,7 +165,7 @@ class OnlineDrafter:
     def start_update(self) -> None:
         if self.cfg.during_update and self.consuming:
             self._settle()   # the idle time's tokens, before the update's are added
-            self.worker.go()
+            self.worker.go(every=True)   # no rollout worker generates now
 
     def end_update(self) -> None:
         self._pause()

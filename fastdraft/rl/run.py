@@ -104,7 +104,8 @@ class Run:
             actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_seq_len,
-            device=device, num_steps=cfg.algorithm.num_steps), peers=_actor_peers(cfg))
+            device=_actor_device(cfg, self.engine), num_steps=cfg.algorithm.num_steps),
+            peers=_actor_peers(cfg, self.engine))
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -186,7 +187,9 @@ class Run:
                 "cluster/push_s": self.engine.last_push_s,
                 "cluster/worker_restarts": float(self.engine.restarts),
                 "cluster/rerun_requests": float(self.engine.reruns),
-                "cluster/migrated_requests": float(self.engine.last_migrated)}
+                "cluster/migrated_requests": float(self.engine.last_migrated),
+                # colocated placement: what the workers gave back for the actor's update
+                "cluster/released_mb": self.engine.last_released_bytes / 2**20}
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
@@ -281,13 +284,24 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
                                                  DTYPES[cfg.model.dtype], rollout.kv_block_size))
 
 
-def _actor_peers(cfg: RunConfig) -> type:
-    """How the actor's ranks 1..N-1 run: processes of the run, or a Ray worker group."""
+def _actor_peers(cfg: RunConfig, engine: Any) -> Callable[..., Any]:
+    """How the actor's ranks 1..N-1 run: processes of the run, or a Ray worker group (on
+    bundles of its own, or colocated: on the rollout workers')."""
     if cfg.cluster.backend == "ray":
         from fastdraft.cluster.actor_group import RayActorPeers
+        if cfg.cluster.placement == "colocated":
+            return partial(RayActorPeers, placement=engine.actor_rank_options)
         return RayActorPeers
     from fastdraft.rl.actor_peers import ActorPeers
     return ActorPeers
+
+
+def _actor_device(cfg: RunConfig, engine: Any) -> str:
+    """The actor's rank 0 (this process): model.device, or colocated on GPUs rollout worker
+    0's GPU."""
+    if cfg.cluster.placement == "colocated":
+        return engine.driver_device(cfg.model.device)
+    return cfg.model.device
 
 
 def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
@@ -295,6 +309,12 @@ def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
     rollout worker's bundle and device (ray)."""
     if cfg.cluster.backend == "local":
         return {}
+    if cfg.cluster.drafter_training == "data_parallel":
+        from fastdraft.cluster.trainer_group import TrainerGroup
+        members = [engine.trainer_options(k) for k in range(cfg.cluster.rollout_workers)]
+        return {"device": engine.device,
+                "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
+                                                                           stats, members)}
     from fastdraft.cluster.trainer_actor import RayTrainer
     options = engine.trainer_options()
     return {"device": engine.device,

@@ -19,7 +19,15 @@ import torch
 
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
-from fastdraft.trainer.spot import PolicyHead, Published, SpotConfig, SpotStats, SpotTrainer
+from fastdraft.trainer.data_parallel import sync_state
+from fastdraft.trainer.spot import (
+    GradReduce,
+    PolicyHead,
+    Published,
+    SpotConfig,
+    SpotStats,
+    SpotTrainer,
+)
 from fastdraft.utils.memory import release_free_memory, rss_mb
 from fastdraft.utils.objects import resolved
 
@@ -104,9 +112,28 @@ class TrainerService:
 
     def _step(self, cap: int | None) -> bool:
         with self._lock:
-            if cap is not None and self.stats.steps - self.stats.steps_at_advance >= cap:
+            if self.capped(cap):
                 return False
             return self.trainer.step()
+
+    def capped(self, cap: int | None = None) -> bool:
+        """This RL step's micro-steps reached the cap (default: max_steps_per_step)."""
+        cap = self.cap if cap is None else cap
+        return cap is not None and self.stats.steps - self.stats.steps_at_advance >= cap
+
+    # data-parallel members (cluster/trainer_group.py): a round's collectives
+    def round_start(self, pg: Any, rank: int) -> int:
+        """The freshest member's state, in every member of the round (its rank returned)."""
+        with self._lock:
+            done = self.stats.steps - self.stats.steps_at_advance
+            root = sync_state(self.trainer, pg, rank)
+            self.stats.steps_at_advance = self.stats.steps - done   # this step's own count
+            return root
+
+    def round_step(self, reduce: GradReduce) -> bool:
+        """One data-parallel micro-step (every member of the round calls it together)."""
+        with self._lock:
+            return self.trainer.step(reduce)
 
     def paused(self, asked_at: float) -> SpotStats:
         """The loop asked to stop training at `asked_at` (time.perf_counter); the micro-step
@@ -151,6 +178,7 @@ class TrainerHandle:
         self.inbox_dropped = 0             # samples dropped: the trainer was behind
         self.closed = False
 
+    per_worker = False   # one trainer: only the first idle worker is promoted (TrainerGroup: each)
     alive: bool   # the process runs and was not closed
     pid: int
     death: str    # how the process ended, for the log
@@ -166,7 +194,9 @@ class TrainerHandle:
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None: ...
     def advance_step(self) -> None: ...
     def sync_policy(self, named_tensors) -> None: ...
-    def go(self) -> None: ...
+    def go(self, worker: int | None = None, every: bool = False) -> None:
+        """Train now. worker (an idle rollout worker) and every (all of them, while the actor
+        updates) say where, for a trainer that trains on several (TrainerGroup)."""
 
     def pause(self) -> None:
         """Stops training: no micro-step starts after it. The SpotWorker returns once the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,24 +149,36 @@ class SpotTrainer:
         # The stats cross to the loop at every publish: a run of days keeps the recent ones.
         del latencies[:-MAX_LATENCIES]
 
-    def step(self) -> bool:
-        """One micro-step; False when the buffer has nothing to train on."""
+    def step(self, reduce: GradReduce | None = None) -> bool:
+        """One micro-step; False when the buffer has nothing to train on. reduce: data-parallel
+        training (cluster/trainer_group.py): the members' gradients combined before the
+        optimizer step, every member taking part even with nothing to train on (then its
+        gradient is zero and weighs nothing); False when no member had anything."""
         packed = self.buffer.sample(self.cfg.token_budget, rows=True)
-        if packed is None:
+        if packed is None and reduce is None:
             return False
+        tokens, metrics = 0, self.stats.last
         with self._lock:
-            batch = draft_batch(packed, self.dtype).to(self.device)
-            options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
-            loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
-                                                 self.head.lm_head, **options)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if packed is not None:
+                batch = draft_batch(packed, self.dtype).to(self.device)
+                options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
+                loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
+                                                     self.head.lm_head, **options)
+                loss.backward()
+                tokens = int(packed.loss_mask.sum())
+            if reduce is not None and not reduce(self.trainable(), tokens):
+                return False
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
             self.optimizer.step()
         self.stats.steps += 1
-        self.stats.tokens += int(packed.loss_mask.sum())
+        self.stats.tokens += tokens
         self.stats.last = metrics
         return True
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps, in its order (what data-parallel members share)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def state(self) -> dict:
         """What a resumed run needs to continue training exactly here: the drafter's trainable
@@ -213,6 +226,11 @@ class SpotTrainer:
                        for n, t in trainable_named_tensors(self.drafter)]
             self.version += 1
         return Published(self.version, tensor_digest(tensors), tensors)
+
+
+#: (the trainable parameters, with their gradients of this member's batch; its tokens) ->
+#: whether the combined gradients are in place (False: no member had tokens).
+GradReduce = Callable[[list[torch.nn.Parameter], int], bool]
 
 
 class StopEvent(threading.Event):

@@ -213,7 +213,7 @@ class SpotWorker(TrainerHandle):
             self._inbox.put((method, args))
 
     # control
-    def go(self) -> None:
+    def go(self, worker: int | None = None, every: bool = False) -> None:
         self._go.set()
 
     def pause(self) -> None:

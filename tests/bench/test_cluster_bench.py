@@ -23,14 +23,21 @@ def test_cluster_bench_reports_costs_accept_and_simulation(char_policy, char_dra
                       "    topk: 2\n    tokens_to_verify: 4\nalgorithm:\n  num_steps: 3\n"
                       "data:\n  task_pool: 4\n")
     out = run_cluster_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "c.json",
-                            consolidate_below=9)   # > a worker's 8 requests: tails always move
+                            consolidate_below=9,   # > a worker's 8 requests: tails always move
+                            seeds=2)
     for key in ("exposed_drafter_cost", "local_exposed_cost", "adaptive_vs_stale",
-                "adaptive_vs_today", "sim_error"):
+                "adaptive_vs_today", "sim_error", "dp_exposed_drafter_cost", "dp_vs_one",
+                "dp_train_tokens_on_idle"):
         assert out[key] > 0, key
-    assert out["exposed_cost_per_token"] == pytest.approx(
-        out["exposed_drafter_cost"] / out["answer_tokens_ratio"])
+    per_seed = out["exposed_drafter_cost_per_seed"]
+    assert len(per_seed) == 2 and out["exposed_drafter_cost"] == pytest.approx(
+        sum(per_seed) / 2)
+    assert out["exposed_drafter_cost"] == pytest.approx(out["step_s"]["ray_on"] / out["step_s"][
+        "ray_off"] / 2 + out["step_s"]["ray_on+seed1"] / out["step_s"]["ray_off+seed1"] / 2)
     assert out["rollout_workers"] == 2 and set(out["step_s"]) == {
-        "local_off", "local_on", "ray_off", "ray_on", "ray_consolidate"}
+        "local_off", "local_on", "ray_off", "ray_on", "ray_consolidate", "ray_dp",
+        "ray_off+seed1", "ray_on+seed1"}
+    assert out["rewards"]["ray_off+seed1"] != out["rewards"]["ray_off"]   # another seed
     assert out["consolidation_rollout_ratio"] > 0 and out["migrated_per_step"] > 0
     assert out["rewards"]["ray_off"] == out["rewards"]["local_off"]
     for sim in out["simulation"].values():

@@ -25,13 +25,6 @@ pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 CFG = OnlineDrafterConfig(enabled=True, reply_timeout_s=30.0)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _trainer_setup(policy, drafter) -> TrainerSetup:
     return TrainerSetup(drafter=drafter, policy_config=policy.config,
                         embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,

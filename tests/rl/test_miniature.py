@@ -1,9 +1,10 @@
 """The miniature of the real recipe end to end (recipes/tiny-qwen3-eagle3.yaml): a Qwen3 policy
 (QK-norm, head_dim 64), an EAGLE-3 drafter trained online with reward-weighted KD whose byte and
 token caps engage, bf16 compute on fp32 masters sharded over 2 actor ranks, rollouts on 2 Ray
-rollout workers (cluster.backend=ray) with tail consolidation, a paged KV cache small enough to
-preempt, the lossless gate every step, and an export SGLang and vLLM load. Slow: it bootstraps
-its policy once (cached)."""
+rollout workers (cluster.backend=ray) with tail consolidation, colocated with the actor's
+ranks and training the drafter data-parallel on the idle ones, a paged KV cache small enough
+to preempt, the lossless gate every step, and an export SGLang and vLLM load. Slow: it
+bootstraps its policy once (cached)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     cfg = load_recipe(RECIPE, [f"algorithm.num_steps={STEPS}", "checkpoint.every=2",
                                "logging.wandb.mode=disabled", "cluster.backend=ray",
                                "cluster.rollout_workers=2", "cluster.consolidate_below=16",
+                               # actor rank 1 on worker 1's bundle; the workers' KV cache
+                               # given back while the actor updates
+                               "cluster.placement=colocated",
+                               # the drafter trains data-parallel on the idle workers
+                               "cluster.drafter_training=data_parallel",
                                # CI's share of the recipe's sizes (600 steps on 512 rollouts,
                                # 32 prompts a step: ~8 min here under CI's load)
                                "drafter.warmup_steps=150", "drafter.warmup_rollouts=256",
@@ -54,9 +60,12 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     for row in rows:   # both workers generated every step; what they did is on the timeline
         assert row["cluster/rollout0/generate_s"] > 0 and row["cluster/rollout1/generate_s"] > 0
         assert 0 <= row["cluster/idle_fraction"] < 1 and row["cluster/push_s"] > 0
+        assert row["cluster/released_mb"] > 0
     # tails moved to the worker still generating, and requests whose KV blocks ran out were
     # preempted and recomputed (the gate above held with both)
     assert sum(r["cluster/migrated_requests"] for r in rows) > 0
+    # the drafter trained on both workers' devices, as one data-parallel group
+    assert min(m.stats.tokens for m in run.drafter.worker.members) > 0
     assert sum(r["rollout/preemptions"] for r in rows) > 0
     assert sorted(read_timeline(tmp_path / "run")) == list(range(STEPS))
     check_export(tmp_path / "run" / "export", "all", "eagle3")   # raises on any problem

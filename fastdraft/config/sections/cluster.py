@@ -9,6 +9,8 @@ from fastdraft.config.sections.common import require as _require
 
 BACKENDS = ("local", "ray")
 DISPATCH = ("balance", "concentrate", "round_robin")
+PLACEMENT = ("separate", "colocated")
+DRAFTER_TRAINING = ("one", "data_parallel")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,7 +31,16 @@ class ClusterConfig:
     unfinished requests than this, while another still generates, moves them to that one (a
     re-prefill there; the same random streams) and goes idle, free to train the drafter.
     Exact for greedy requests; sampled ones keep their law, and are token-identical too when
-    no tuner or length budget picks the step kind per batch (engine/migration.py)."""
+    no tuner or length budget picks the step kind per batch (engine/migration.py).
+    placement (ray): separate: the actor's ranks 1..N-1 get bundles (devices) of their own;
+    colocated: actor rank r shares rollout worker r's bundle and device (rank 0, the driver,
+    worker 0's), and the workers give their KV cache (on a GPU also their weights, to the
+    host) back while the actor updates, as verl's hybrid engine does. Needs
+    actor.num_ranks <= cluster.rollout_workers.
+    drafter_training (ray, online drafter): one (a trainer on the last worker's bundle, fed
+    by every worker, promoted when the first worker goes idle) or data_parallel (a member on
+    every worker's bundle; the idle workers' members train together, gradients all-reduced:
+    cluster/trainer_group.py)."""
 
     backend: str = "local"
     rollout_workers: int = 1
@@ -41,6 +52,8 @@ class ClusterConfig:
     max_actor_restarts: int = 2
     push_bucket_mb: float = 512.0
     consolidate_below: int = 0
+    placement: str = "separate"
+    drafter_training: str = "one"
 
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
@@ -59,5 +72,15 @@ class ClusterConfig:
                  f"cluster.consolidate_below={self.consolidate_below} moves a worker's tail to "
                  "another worker: set cluster.backend=ray and cluster.rollout_workers >= 2, or "
                  "cluster.consolidate_below=0")
+        _require(self.placement in PLACEMENT, f"cluster.placement must be one of {PLACEMENT}, "
+                 f"got {self.placement!r}")
+        _require(self.placement == "separate" or self.backend == "ray",
+                 "cluster.placement=colocated places actor ranks beside Ray rollout workers: "
+                 "set cluster.backend=ray")
+        _require(self.drafter_training in DRAFTER_TRAINING, "cluster.drafter_training must be "
+                 f"one of {DRAFTER_TRAINING}, got {self.drafter_training!r}")
+        _require(self.drafter_training == "one" or self.backend == "ray",
+                 "cluster.drafter_training=data_parallel trains on the Ray rollout workers: "
+                 "set cluster.backend=ray")
         _require(self.max_worker_restarts >= 0 and self.max_actor_restarts >= 0,
                  "cluster.max_worker_restarts and max_actor_restarts must be >= 0")

@@ -60,3 +60,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.cluster.placement == "separate"
+                 or self.actor.num_ranks <= self.cluster.rollout_workers,
+                 f"cluster.placement=colocated puts actor rank r beside rollout worker r: "
+                 f"actor.num_ranks={self.actor.num_ranks} needs cluster.rollout_workers >= "
+                 f"{self.actor.num_ranks} (now {self.cluster.rollout_workers})")
