@@ -167,11 +167,11 @@ class TrainerGroup(TrainerHandle):
 
     # control
     def go(self, worker: int | None = None, every: bool = False) -> None:
-        """Trains on `worker`'s member too (None: the last worker's, as the single trainer;
-        every: all members, as while the actor updates)."""
-        last = len(self.members) - 1
+        """Trains on idle `worker`'s member too; every: on all members (while the actor
+        updates). Neither (the online drafter's tail threshold, which does not know which
+        workers are idle): no one new; the training members get what is held."""
         wanted = (set(range(len(self.members))) if every
-                  else {*self.active, last if worker is None else worker})
+                  else {*self.active} if worker is None else {*self.active, worker})
         if wanted == set(self.active):
             for k in self.active:
                 self.members[k].go()   # (sends what it holds)

@@ -21,9 +21,20 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 
 
-def _group(setup):
+@pytest.fixture
+def started(local_ray, tiny_checkpoint):
+    """A group of two members on the local Ray cluster, told of step 1 and fed 12 samples."""
     from fastdraft.cluster.trainer_group import TrainerGroup
-    return TrainerGroup(setup, CFG, SpotStats(), [{"num_cpus": 0}, {"num_cpus": 0}])
+    policy, drafter = _setup(tiny_checkpoint)
+    group = TrainerGroup(_trainer_setup(policy, drafter), CFG, SpotStats(),
+                         [{"num_cpus": 0}, {"num_cpus": 0}])
+    try:
+        group.advance_step()
+        group.sync_policy(policy.named_parameters())
+        group.add_many(_samples(policy, 12, step=1))   # every member gets every sample
+        yield group
+    finally:
+        group.close()
 
 
 def _steps(group, k: int) -> int:
@@ -37,66 +48,48 @@ def _until(condition, timeout_s: float = 180) -> None:
         time.sleep(0.2)
 
 
-def test_idle_workers_members_train_together_and_stay_identical(local_ray, tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    group = _group(_trainer_setup(policy, drafter))
-    try:
-        group.advance_step()
-        group.sync_policy(policy.named_parameters())
-        group.add_many(_samples(policy, 12, step=1))   # every member gets every sample
-        group.go(worker=1)   # worker 1 went idle first: its member trains alone
-        _until(lambda: _steps(group, 1) >= 2)
-        group.go(worker=0)   # then worker 0: a round of both, from member 1's state
-        _until(lambda: _steps(group, 0) >= _steps(group, 1) > 3)
-        group.pause()
-        group.settle()
-        states = [m.state() for m in group.members]
-        assert states[0]["steps"] == states[1]["steps"]
-        for name, tensor in states[0]["drafter"].items():
-            assert torch.equal(tensor, states[1]["drafter"][name]), name   # one drafter
-        tokens = [m.stats.tokens for m in group.members]
-        assert min(tokens) > 0 and group.stats.tokens == sum(tokens)   # both trained
-        first, second = group.publish(), group.publish()
-        assert (first.version, second.version) == (1, 2)
-        assert first.checksum == second.checksum   # paused: nothing trained in between
-    finally:
-        group.close()
+def test_idle_workers_members_train_together_and_stay_identical(started):
+    group = started
+    group.go(worker=1)   # worker 1 went idle first: its member trains alone
+    _until(lambda: _steps(group, 1) >= 2)
+    group.go(worker=0)   # then worker 0: a round of both, from member 1's state
+    _until(lambda: _steps(group, 0) >= _steps(group, 1) > 3)
+    group.pause()
+    group.settle()
+    states = [m.state() for m in group.members]
+    assert states[0]["steps"] == states[1]["steps"]
+    for name, tensor in states[0]["drafter"].items():
+        assert torch.equal(tensor, states[1]["drafter"][name]), name   # one drafter
+    tokens = [m.stats.tokens for m in group.members]
+    assert min(tokens) > 0 and group.stats.tokens == sum(tokens)   # both trained
+    first, second = group.publish(), group.publish()
+    assert (first.version, second.version) == (1, 2)
+    assert first.checksum == second.checksum   # paused: nothing trained in between
 
 
-def test_a_steps_first_idle_member_starts_from_the_freshest_state(local_ray, tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    group = _group(_trainer_setup(policy, drafter))
-    try:
-        group.advance_step()
-        group.sync_policy(policy.named_parameters())
-        group.add_many(_samples(policy, 12, step=1))
-        group.go(worker=1)
-        _until(lambda: _steps(group, 1) >= 3)
-        group.pause()
-        group.settle()
-        assert group.publish().version == 1   # from member 1, the one that trained
-        fresh = group.members[1].state()
-        assert _steps(group, 0) == 0 and group.members[0].state()["version"] == 0
-        group.go(worker=0)   # member 0 has nothing of that: member 1 hands it over first
-        _until(lambda: _steps(group, 0) > fresh["steps"])   # it went on from member 1's count
-        group.pause()
-        group.settle()
-        assert group.members[0].state()["version"] == 1   # member 1's, handed over
-        assert group.members[1].state()["steps"] == fresh["steps"]   # 1 only handed over
-    finally:
-        group.close()
+def test_a_steps_first_idle_member_starts_from_the_freshest_state(started):
+    group = started
+    group.go(worker=1)
+    _until(lambda: _steps(group, 1) >= 3)
+    group.pause()
+    group.settle()
+    assert group.publish().version == 1   # from member 1, the one that trained
+    fresh = group.members[1].state()
+    assert _steps(group, 0) == 0 and group.members[0].state()["version"] == 0
+    group.go(worker=0)   # member 0 has nothing of that: member 1 hands it over first
+    _until(lambda: _steps(group, 0) > fresh["steps"])   # it went on from member 1's count
+    group.pause()
+    group.settle()
+    assert group.members[0].state()["version"] == 1   # member 1's, handed over
+    assert group.members[1].state()["steps"] == fresh["steps"]   # 1 only handed over
 
 
-def test_a_killed_member_is_a_worker_failure(local_ray, tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    group = _group(_trainer_setup(policy, drafter))
-    try:
-        os.kill(group.members[1].pid, signal.SIGKILL)
-        with pytest.raises(WorkerFailure, match="died"):
-            group.publish()
-        assert not group.alive and "member 1" in group.death
-    finally:
-        group.close()
+def test_a_killed_member_is_a_worker_failure(started):
+    group = started
+    os.kill(group.members[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailure, match="died"):
+        group.publish()
+    assert not group.alive and "member 1" in group.death
 
 
 def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy, char_drafter,
