@@ -125,8 +125,8 @@ class TrainerGroup(TrainerHandle):
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         address = (host, self.store.port)
         self.members = [
-            RayTrainer(_member_setup(setup, k), cfg, stats, opts, body=GroupMember,
-                       args=(k, address, cfg.reply_timeout_s))
+            RayTrainer(_member_setup(setup, k), cfg, stats if k == 0 else SpotStats(), opts,
+                       body=GroupMember, args=(k, address, cfg.reply_timeout_s))
             for k, opts in enumerate(options)]
         self.pid = self.members[0].pid
         self.version = int((setup.state or {}).get("version", 0))
