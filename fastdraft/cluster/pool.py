@@ -19,7 +19,6 @@ it."""
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from fastdraft.cluster.dispatch import assign_groups
+from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.cluster.rollout_calls import RolloutCalls
 from fastdraft.cluster.rollout_worker import (
     HANDOFF,
@@ -106,7 +106,7 @@ class RolloutPool:
             raise ValueError("cluster.placement=colocated: rollout worker 0 is on another node "
                              "than the driver, whose process is the actor's rank 0; start "
                              "the run on a node with GPUs of the cluster")
-        return cuda_name(gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return cuda_name(gpu)
 
     def actor_rank_options(self, rank: int) -> dict[str, Any]:
         """Where colocated actor rank `rank` (1..N-1) goes: rollout worker `rank`'s bundle and
@@ -373,18 +373,6 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
-
-
-def cuda_name(gpu_id: str, visible: str | None) -> str:
-    """A GPU as Ray numbers it on the node -> this process's name for it (CUDA numbers the
-    devices CUDA_VISIBLE_DEVICES lists, in its order)."""
-    if not visible:
-        return f"cuda:{int(gpu_id)}"
-    listed = [v.strip() for v in visible.split(",")]
-    if gpu_id not in listed:
-        raise ValueError(f"GPU {gpu_id} (rollout worker 0's) is not in this process's "
-                         f"CUDA_VISIBLE_DEVICES={visible}")
-    return f"cuda:{listed.index(gpu_id)}"
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int

@@ -52,3 +52,17 @@ def shutdown() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(_reaper, signal.SIGKILL)
         _reaper = None
+
+
+def cuda_name(gpu_id: str, visible: str | None = None) -> str:
+    """A GPU as Ray numbers it on the node -> this process's name for it (CUDA numbers the
+    devices CUDA_VISIBLE_DEVICES lists, in its order; visible: that variable, default this
+    process's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if not visible:
+        return f"cuda:{int(gpu_id)}"
+    listed = [v.strip() for v in visible.split(",")]
+    if gpu_id not in listed:
+        raise ValueError(f"GPU {gpu_id} (rollout worker 0's) is not in this process's "
+                         f"CUDA_VISIBLE_DEVICES={visible}")
+    return f"cuda:{listed.index(gpu_id)}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdraft.cluster.pool import cuda_name
+from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config import load_recipe
 from fastdraft.rl.loop import train_step
 from fastdraft.rl.run import Run
@@ -62,7 +62,7 @@ def test_colocated_placement_is_checked_in_the_recipe(char_policy):
 
 
 def test_a_gpu_as_ray_numbers_it_is_named_as_the_driver_sees_it():
-    assert cuda_name("3", None) == "cuda:3"
+    assert cuda_name("3", "") == "cuda:3"
     assert cuda_name("3", "2,3") == "cuda:1"
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=0,1"):
         cuda_name("3", "0,1")
