@@ -13,7 +13,7 @@ of one thread each:
   below): a worker's last requests move to the worker still generating, and the donor trains.
 - ray_dp: ray_on with cluster.drafter_training=data_parallel: a trainer member on every worker's
   bundle, the idle workers' members training together (cluster/trainer_group.py).
---seeds N runs ray_off / ray_on again with the next N - 1 seeds.
+--seeds N runs ray_off / ray_on / local_on again with the next N - 1 seeds.
 
 Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time, the mean over the seeds'
 pairs (the target: <= 1.10), beside the single process's `local_exposed_cost`, and per answer
@@ -21,9 +21,11 @@ token (`exposed_cost_per_token`: the arms' answers differ in length, the same la
 different samples); `adaptive_vs_stale`: every run's engine loads the ray_on run's final
 policy, then the same prompts and seeds are rolled out with each run's drafter (bench
 drafter's drift evaluation): the accept length of the drafter trained on idle workers over the
-warm-up drafter's (ray_off), and over today's (local_on); `dp_vs_one`: ray_dp's over ray_on's
-(this evaluation favours ray_on's drafter, whose policy it runs on: `dp_vs_one_online` is the
-ratio of each run's own mean accept length over its steps);
+warm-up drafter's (ray_off), and over today's (local_on), each seed on its own ray_on
+policy, the mean over seeds (`online_vs_today_per_seed`: the same over each run's own accept
+length during its steps, where today's trains on its own samples); `dp_vs_one`: ray_dp's over
+ray_on's (this evaluation favours ray_on's drafter, whose policy it runs on: `dp_vs_one_online`
+is the ratio of each run's own mean accept length over its steps);
 `sim_error`: the cluster simulator (cluster/simulator.py) replays each Ray run's steps (its
 answer lengths, its engine steps' measured unit costs, its update and push times) and
 |simulated - measured| / measured step time is reported, the rollout alone too;
@@ -55,8 +57,9 @@ ARMS = {"local_off": ["drafter.online.enabled=false"],
         "ray_consolidate": [*RAY, "drafter.online.during_update=false"],   # + consolidate_below
         "ray_dp": [*RAY, "drafter.online.during_update=false",
                    "cluster.drafter_training=data_parallel"]}
-#: The arms repeated with more seeds (--seeds): the ones exposed_drafter_cost compares.
-PAIR = ("ray_off", "ray_on")
+#: The arms repeated with more seeds (--seeds): the ones exposed_drafter_cost and the drafter
+#: evaluations (adaptive_vs_stale / _today) compare.
+SEEDED = ("ray_off", "ray_on", "local_on")
 # H100 floors at the Qwen2.5-7B shape with CUDA graphs (measured by an earlier `bench gpu`):
 # a decode step 7.07 ms, a 13-token verify 1.11 decode steps, one draft level 0.044 decode
 # steps (32k draft vocab). The per-row cost is the KV read of one 1500-token row at 3.35 TB/s
@@ -78,8 +81,9 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     base = load_recipe(recipe, [*RAY, "cluster.rollout_workers=2", *overrides])
     arms = dict(ARMS)
-    for s in range(1, seeds):   # the pair again, each with the next seed
-        arms.update({_seeded(name, s): [*ARMS[name], f"seed={base.seed + s}"] for name in PAIR})
+    for s in range(1, seeds):   # the seeded arms again, each with the next seed
+        arms.update({_seeded(name, s): [*ARMS[name], f"seed={base.seed + s}"]
+                     for name in SEEDED})
     workers = base.cluster.rollout_workers
     # Logical CPUs for every Ray run's workers at once (a placement group waits for its
     # bundles' CPUs); only one run steps at a time.
@@ -99,8 +103,10 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
                 arm = [o for o in arm if not o.startswith("cluster.")]
             runs[name] = Run(load_recipe(recipe, arm), out_dir / name, cache_dir=cache_dir)
         rows, shapes = _interleave(runs, base.algorithm.num_steps)
-        drift = drift_eval({name: runs[name] for name in ARMS}, base.algorithm.num_steps,
-                           source="ray_on")
+        # Each seed's drafters on that seed's ray_on policy (seed 0: every arm's).
+        drifts = [drift_eval({name: runs[_seeded(name, s)] for name in (ARMS if s == 0
+                                                                         else SEEDED)},
+                             base.algorithm.num_steps, source="ray_on") for s in range(seeds)]
     finally:
         for run in runs.values():
             run.close_after_failure()
@@ -118,6 +124,12 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
 
     exposed = [step_s(_seeded("ray_on", s)) / step_s(_seeded("ray_off", s))
                for s in range(seeds)]
+    drift = drifts[0]
+
+    def evaluated(over: str) -> list[float]:
+        """Per seed: the accept length of ray_on's drafter over `over`'s, on ray_on's policy."""
+        return [d["ray_on"]["eval_accept_length"] / d[over]["eval_accept_length"]
+                for d in drifts]
     tokens_ratio = [answer_tokens(_seeded("ray_on", s)) / answer_tokens(_seeded("ray_off", s))
                     for s in range(seeds)]
     sims = {name: _sim_error(runs[name], rows[name][steps], shapes[name][steps], workers)
@@ -148,10 +160,14 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         # What each run's own drafter did on its own policy, step by step (the evaluation
         # above favours ray_on's drafter: it runs on ray_on's policy).
         "online_accept_length": {name: online(name) for name in ARMS},
-        "adaptive_vs_stale": drift["ray_on"]["eval_accept_length"]
-        / drift["ray_off"]["eval_accept_length"],
-        "adaptive_vs_today": drift["ray_on"]["eval_accept_length"]
-        / drift["local_on"]["eval_accept_length"],
+        # Means over the seeds (each policy drifts its own way: one seed's adaptive_vs_today
+        # moved between 0.97 and 1.00 on the same code), each seed's ratio beside.
+        "adaptive_vs_stale_per_seed": evaluated("ray_off"),
+        "adaptive_vs_stale": mean(evaluated("ray_off")),
+        "adaptive_vs_today_per_seed": evaluated("local_on"),
+        "adaptive_vs_today": mean(evaluated("local_on")),
+        "online_vs_today_per_seed": [online(_seeded("ray_on", s)) / online(_seeded("local_on", s))
+                                     for s in range(seeds)],
         "rewards": {name: [r["reward/mean"] for r in rows[name]] for name in runs},
         "simulation": sims,
         "sim_error": max(s["step_error"] for s in sims.values()),
@@ -301,8 +317,12 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"{out['idle_fraction']['ray_on']:.3f}",
              "  accept length on ray_on's final policy: " + "  ".join(
                  f"{k} {v:.2f}" for k, v in out["accept_length"].items()),
-             f"  adaptive_vs_stale {out['adaptive_vs_stale']:.3f}  adaptive_vs_today "
-             f"{out['adaptive_vs_today']:.3f}",
+             f"  adaptive_vs_stale {out['adaptive_vs_stale']:.3f} ("
+             + " ".join(f"{r:.3f}" for r in out["adaptive_vs_stale_per_seed"])
+             + f")  adaptive_vs_today {out['adaptive_vs_today']:.3f} ("
+             + " ".join(f"{r:.3f}" for r in out["adaptive_vs_today_per_seed"])
+             + ")  on their own runs vs today: "
+             + " ".join(f"{r:.3f}" for r in out["online_vs_today_per_seed"]),
              *(f"  simulated {name}: step {s['simulated_step_s']:.2f}s vs measured "
                f"{s['measured_step_s']:.2f}s (error {s['step_error']:.3f}); rollout "
                f"{s['simulated_rollout_s']:.2f}s vs {s['measured_rollout_s']:.2f}s (error "

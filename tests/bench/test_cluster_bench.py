@@ -36,7 +36,11 @@ def test_cluster_bench_reports_costs_accept_and_simulation(char_policy, char_dra
         "ray_off"] / 2 + out["step_s"]["ray_on+seed1"] / out["step_s"]["ray_off+seed1"] / 2)
     assert out["rollout_workers"] == 2 and set(out["step_s"]) == {
         "local_off", "local_on", "ray_off", "ray_on", "ray_consolidate", "ray_dp",
-        "ray_off+seed1", "ray_on+seed1"}
+        "ray_off+seed1", "ray_on+seed1", "local_on+seed1"}
+    for key in ("adaptive_vs_stale", "adaptive_vs_today"):   # each seed on its own policy
+        per = out[f"{key}_per_seed"]
+        assert len(per) == 2 and out[key] == pytest.approx(sum(per) / 2)
+    assert len(out["online_vs_today_per_seed"]) == 2
     assert out["rewards"]["ray_off+seed1"] != out["rewards"]["ray_off"]   # another seed
     assert out["consolidation_rollout_ratio"] > 0 and out["migrated_per_step"] > 0
     assert out["rewards"]["ray_off"] == out["rewards"]["local_off"]
