@@ -10,7 +10,10 @@
   (eagle1's loss) and with reward-weighted KD. Then, on the drifted policy of the plain-KD run
   (pushed into all three engines), the same prompts and seeds are rolled out with each drafter:
   accept length and rollout time (`adaptive_accept_length`, `stale_accept_length`,
-  `adaptive_vs_stale`), and each run's reward curve.
+  `adaptive_vs_stale`), and each run's reward curve. A fourth run trains reward-weighted KD on
+  samples from the actor's update forward (drafter.online.source=actor, what a backend without
+  hidden-state capture uses): its update, rollout and step time and accept length over the
+  engine-capture run's (`actor_source_*`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEven
 
 DRIFT_RUNS = {"stale": ["drafter.online.enabled=false"],
               "kd": ["drafter.online.enabled=true", "drafter.online.loss=eagle1"],
-              "reward_kd": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd"]}
+              "reward_kd": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd"],
+              # the same, its samples from the actor's update forward, not the engine's capture
+              "reward_kd_actor": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd",
+                                  "drafter.online.source=actor"]}
 
 
 def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
@@ -69,6 +75,7 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
                                                     for r in steps]
         payload["drift"][name]["rollout_time_s"] = sum(r["rollout/time_s"] for r in steps)
         payload["drift"][name]["step_time_s"] = sum(r["timing/step_s"] for r in steps)
+        payload["drift"][name]["update_time_s"] = sum(r["timing/update_s"] for r in steps)
     for run in runs.values():
         run.finish()
     drift = payload["drift"]
@@ -77,6 +84,16 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
                    adaptive_vs_stale=drift["kd"]["eval_accept_length"]
                    / drift["stale"]["eval_accept_length"],
                    reward_kd_accept_length=drift["reward_kd"]["eval_accept_length"])
+    # Samples from the actor's forward (drafter.online.source=actor) vs the engine's capture,
+    # both reward-weighted KD: what the update pays, what the rollout saves, what is learnt.
+    actor, engine = drift["reward_kd_actor"], drift["reward_kd"]
+    payload.update(actor_source_update_ratio=actor["update_time_s"] / engine["update_time_s"],
+                   actor_source_rollout_ratio=actor["rollout_time_s"] / engine["rollout_time_s"],
+                   actor_source_step_ratio=actor["step_time_s"] / engine["step_time_s"],
+                   actor_source_vs_engine=actor["eval_accept_length"]
+                   / engine["eval_accept_length"],
+                   actor_source_vs_engine_online=_mean(actor["accept_lengths"][1:])
+                   / _mean(engine["accept_lengths"][1:]))
     if json_path is not None:
         write_json(json_path, payload)
     return payload
@@ -197,6 +214,10 @@ def _ckpt_blocking(run: Run) -> dict[str, float]:
             "ckpt_blocking_ratio": selective / full}
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
 def summary_lines(out: dict[str, Any]) -> list[str]:
     drift = out["drift"]
     lines = [f"packing_speedup {out['packing_speedup']:.2f} ({out['packed_tokens_per_s']:.0f} vs "
@@ -209,7 +230,13 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"{out['reward_kd_accept_length']:.2f}, stale {out['stale_accept_length']:.2f} "
              f"(adaptive_vs_stale {out['adaptive_vs_stale']:.3f}); eval rollout time stale "
              f"{drift['stale']['eval_rollout_time_s']:.1f}s, online "
-             f"{drift['kd']['eval_rollout_time_s']:.1f}s"]
+             f"{drift['kd']['eval_rollout_time_s']:.1f}s",
+             f"samples from the actor's forward vs the engine's capture (reward-weighted KD): "
+             f"update time {out['actor_source_update_ratio']:.3f}x, rollout time "
+             f"{out['actor_source_rollout_ratio']:.3f}x, step time "
+             f"{out['actor_source_step_ratio']:.3f}x; accept length on the drifted policy "
+             f"{out['actor_source_vs_engine']:.3f}x, on its own run "
+             f"{out['actor_source_vs_engine_online']:.3f}x"]
     for name in DRIFT_RUNS:
         r = drift[name]["rewards"]
         lines.append(f"{name}: reward first 5 {sum(r[:5]) / len(r[:5]):.3f} last 5 "

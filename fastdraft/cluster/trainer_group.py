@@ -149,6 +149,9 @@ class TrainerGroup(TrainerHandle):
             member.add(sample)
 
     def add_many(self, samples: list[Sample] | Any) -> None:
+        if isinstance(samples, list):   # the driver's own (drafter.online.source=actor): once
+            import ray
+            samples = ray.put(samples)
         for member in self.members:
             member.add_many(samples)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from fastdraft.models import CausalLM
 from fastdraft.rl.actor_peers import ActorPeers
 from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+from fastdraft.rl.actor_samples import RowHidden
 from fastdraft.rl.sequences import SequenceBatch, split_across_ranks
 from fastdraft.rl.sharding import Gathered, free_port, leave_ranks
 from fastdraft.rl.token_stats import TokenStats
@@ -32,6 +33,7 @@ from fastdraft.rl.token_stats import TokenStats
 class UpdateResult:
     applied: bool                  # False: a non-finite or zero gradient skipped the step
     metrics: dict[str, float]
+    hidden: dict[int, RowHidden] = field(default_factory=dict)   # batch row -> hidden states
 
 
 class Actor:
@@ -63,23 +65,30 @@ class Actor:
 
     # ---------------------------------------------------------------------------- an update
     def update(self, batch: SequenceBatch,
-               before_step: Callable[[TokenStats], None] | None = None) -> UpdateResult:
+               before_step: Callable[[TokenStats], None] | None = None,
+               hidden_layers: tuple[int, ...] | None = None) -> UpdateResult:
         """One optimizer step over the batch. before_step receives the actor's TokenStats of
         the whole batch ([B, L - 1] each: logprobs, and the sampling law's entropy and variance,
         from the very forwards the gradient comes from, every rank's) before any weight moves:
         the lossless gate checks them there; an exception from it discards the gradients on
-        every rank and propagates."""
+        every rank and propagates. hidden_layers (not None): the result also holds every row's
+        hidden states from those forwards (final, and the inputs of these layers)."""
         plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
         total = self.rank0.algorithm.normaliser(batch)
-        self._send("accumulate", [(part, total) for part in parts[1:]])
-        answers = [self.rank0.accumulate(parts[0], total), *self._gather("accumulate")]
+        self._send("accumulate", [(part, total, hidden_layers) for part in parts[1:]])
+        answers = [self.rank0.accumulate(parts[0], total, hidden_layers),
+                   *self._gather("accumulate")]
         seen = torch.zeros(len(TokenStats._fields), *batch.mask.shape)
         metrics: dict[str, float] = {}
-        for micro, (results, rank_metrics) in zip(plan, answers):
-            for rows, stats in zip([r for r in micro if r is not None], results):
+        hidden: dict[int, RowHidden] = {}
+        for micro, (results, rank_metrics, rank_hidden) in zip(plan, answers):
+            real = [r for r in micro if r is not None]
+            for rows, stats in zip(real, results):
                 seen[:, rows, : stats.logprob.shape[1]] = torch.stack(stats)
+            for rows, states in zip(real, rank_hidden):
+                hidden.update(zip(rows.tolist(), states))
             for key, value in rank_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
         if before_step is not None:
@@ -89,7 +98,8 @@ class Actor:
                 self._everywhere("discard")
                 raise
         step_metrics = self._everywhere("apply")
-        return UpdateResult(step_metrics["actor/skipped"] == 0.0, {**metrics, **step_metrics})
+        return UpdateResult(step_metrics["actor/skipped"] == 0.0, {**metrics, **step_metrics},
+                            hidden)
 
     @torch.no_grad()
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
@@ -103,6 +113,21 @@ class Actor:
         for micro, results in zip(plan, answers):
             for rows, lp in zip([r for r in micro if r is not None], results):
                 out[rows, : lp.shape[1]] = lp
+        return out
+
+    @torch.no_grad()
+    def hidden_states(self, batch: SequenceBatch, layers: tuple[int, ...]
+                      ) -> dict[int, RowHidden]:
+        """Every row's hidden states (final, and the inputs of `layers`), no gradient."""
+        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
+        parts = [[None if rows is None else batch.rows(rows) for rows in micro]
+                 for micro in plan]
+        self._send("hidden", [(part, layers) for part in parts[1:]])
+        answers = [self.rank0.hidden(parts[0], layers), *self._gather("hidden")]
+        out: dict[int, RowHidden] = {}
+        for micro, results in zip(plan, answers):
+            for rows, states in zip([r for r in micro if r is not None], results):
+                out.update(zip(rows.tolist(), states))
         return out
 
     # ------------------------------------------------------------------ weights and state

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fastdraft.config.sections import ActorConfig, AlgorithmConfig
 from fastdraft.models import CausalLM
-from fastdraft.rl.logprobs import logprobs_of, next_token_logits, token_logprobs
+from fastdraft.rl.actor_samples import RowHidden, row_hidden
+from fastdraft.rl.logprobs import logprobs_of, next_token_logits_and_hidden, token_logprobs
 from fastdraft.rl.loss_scale import LossScaler
 from fastdraft.rl.objective import Algorithm
 from fastdraft.rl.sequences import SequenceBatch, empty_batch
@@ -108,17 +109,24 @@ class ActorRank:
         return int(self.scheduler.last_epoch)
 
     # ---------------------------------------------------------------------------- an update
-    def accumulate(self, micro: list[SequenceBatch | None], total: float
-                   ) -> tuple[list[TokenStats], dict[str, float]]:
+    def accumulate(self, micro: list[SequenceBatch | None], total: float,
+                   hidden_layers: tuple[int, ...] | None = None
+                   ) -> tuple[list[TokenStats], dict[str, float], list[list[RowHidden]]]:
         """Forward and backward of this rank's micro-batches (None: an empty one, to pair up
         with a peer's); `total` is the whole batch's loss normaliser, so each micro-batch adds
-        its share of the *batch* loss whatever rank it landed on. Gradients accumulate."""
+        its share of the *batch* loss whatever rank it landed on. Gradients accumulate.
+        hidden_layers (not None): each real micro-batch's rows' hidden states too, final and
+        the inputs of these layers (the online drafter's samples: rl/actor_samples.py)."""
         objective = self.algorithm.objective(None, self.reference, total=total)
-        results, metrics = [], {}
+        results, metrics, hidden = [], {}, []
         for mb in micro:
             real = mb is not None
             mb = (mb if real else empty_batch()).to(self.device)
-            logits = next_token_logits(self.model, mb.input_ids)
+            logits, states = next_token_logits_and_hidden(self.model, mb.input_ids,
+                                                          hidden_layers or ())
+            if real and hidden_layers is not None:
+                hidden.append(row_hidden(mb, states))
+            del states
             logprobs = logprobs_of(logits, mb.input_ids, self.spec.temperature)
             loss, mb_metrics = objective(logprobs, mb)
             # FSDP averages gradients over ranks; the batch loss is the ranks' sum.
@@ -131,7 +139,7 @@ class ActorRank:
                                            mask=mb.mask))
                 for key, value in mb_metrics.items():
                     metrics[key] = metrics.get(key, 0.0) + value
-        return results, metrics
+        return results, metrics, hidden
 
     def apply(self) -> dict[str, float]:
         """Clips by the global gradient norm and takes one optimizer step (all ranks skip
@@ -153,6 +161,28 @@ class ActorRank:
         self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
+    def hidden(self, micro: list[SequenceBatch | None], layers: tuple[int, ...]
+               ) -> list[list[RowHidden]]:
+        """Each real micro-batch's rows' hidden states (final, and the inputs of `layers`),
+        no gradient: the online drafter's samples of rows the update does not train on."""
+        out = []
+        for mb in micro:
+            ids = (mb if mb is not None else empty_batch()).input_ids.to(self.device)
+            _, states = next_token_logits_and_hidden(self.model, ids, layers)
+            if mb is not None:
+                out.append(row_hidden(mb, states))
+        self._reshard()
+        return out
+
+    def _reshard(self) -> None:
+        """A forward without backward leaves FSDP2's root unsharded (its post-backward would
+        reshard it): sharded again, so the next gather sees the same DTensors on every rank
+        (else the weight and checkpoint gathers of the ranks fall out of step)."""
+        reshard = getattr(self.model, "reshard", None)
+        if reshard is not None:
+            reshard()
+
+    @torch.no_grad()
     def logprobs(self, micro: list[SequenceBatch | None]) -> list[torch.Tensor]:
         out = []
         for mb in micro:
@@ -160,6 +190,7 @@ class ActorRank:
             lp = token_logprobs(self.model, ids, self.spec.temperature).float().cpu()
             if mb is not None:
                 out.append(lp)
+        self._reshard()
         return out
 
     # ------------------------------------------------------------------ weights and state

@@ -15,6 +15,7 @@ class FixedDrafter:
     """The loop's drafter side when the drafter is not trained online: the health check."""
 
     on_hidden = None
+    actor_hidden_layers = None   # nothing asks the actor's forward for samples
 
     def __init__(self, engine: RolloutEngine | None = None, resume: dict | None = None) -> None:
         self.health = DrafterHealth()

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastdraft.models.decoder import HiddenStates
 from fastdraft.rl.sequences import SequenceBatch
 
 # (logprobs [b, L - 1] of a micro-batch, the micro-batch) -> (its share of the batch loss,
@@ -16,9 +17,17 @@ Objective = Callable[[torch.Tensor, SequenceBatch], tuple[torch.Tensor, dict[str
 def next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids [B, L] -> logits [B, L - 1, V] (column t scores token t + 1), in the model's
     compute dtype."""
+    return next_token_logits_and_hidden(model, input_ids)[0]
+
+
+def next_token_logits_and_hidden(model: torch.nn.Module, input_ids: torch.Tensor,
+                                 aux_layers: tuple[int, ...] = ()
+                                 ) -> tuple[torch.Tensor, HiddenStates]:
+    """next_token_logits, and the same forward's hidden states [B, L, H] (final, and the inputs
+    of aux_layers): what an engine's capture gives the drafter, from the actor's forward."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logits, _ = model(input_ids, positions)
-    return logits[:, :-1]
+    logits, hidden = model(input_ids, positions, aux_layers=aux_layers)
+    return logits[:, :-1], hidden
 
 
 def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float

@@ -63,7 +63,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     for i in range(cfg.actor.updates_per_step):  # > 1: PPO epochs over the same rollout
         update = run.actor.update(batch,
                                   before_step=None if i else _gate(
-                                      batch, run.gate_tolerance, gate, step))
+                                      batch, run.gate_tolerance, gate, step),
+                                  hidden_layers=None if i else run.drafter.actor_hidden_layers)
+        if update.hidden:   # drafter.online.source=actor: its samples from these forwards
+            _drafter_samples(run, batch, update.hidden, keep, items, completions, rewards)
     run.drafter.end_update()
     timer.lap("update")
     run.engine.load_weights(run.actor.full_parameters())   # one tensor at a time
@@ -99,6 +102,22 @@ def rollout(run: Run, step: int, prompts: list[list[int]], train_drafter: bool =
                                on_finish=run.on_finish if train_drafter else None,
                                on_hidden=run.drafter.on_hidden if train_drafter else None,
                                use_tqdm=False)
+
+
+def _drafter_samples(run: Run, batch: SequenceBatch, hidden: dict, keep: list[int],
+                     items: list, completions: list[Completion], rewards: list[float]) -> None:
+    """drafter.online.source=actor: the drafter's samples of the update batch's rows (from the
+    update's forward) and of the rollouts left out of it (skipped groups: a forward without
+    gradient), so it learns from every rollout, as with the engine's capture."""
+    run.drafter.add_actor_samples(batch, hidden, keep, rewards)
+    group, kept = run.cfg.rollout.group_size, set(keep)
+    rest = [i for i in range(len(completions)) if i not in kept]
+    if rest:
+        left = build_batch([items[i // group].ids for i in rest],
+                           [completions[i].token_ids for i in rest],
+                           [completions[i].logprobs for i in rest], [0.0] * len(rest))
+        run.drafter.add_actor_samples(left, run.actor.hidden_states(
+            left, run.drafter.actor_hidden_layers), rest, rewards)
 
 
 def _gate(batch: SequenceBatch, tolerance: GateTolerance, into: dict[str, float], step: int

@@ -26,8 +26,10 @@ from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.drafter.losses import LOSSES as KIND_LOSSES
 from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.rl.actor_samples import RowHidden, actor_samples
 from fastdraft.rl.drafter_health import DrafterHealth, published_problem
 from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
+from fastdraft.rl.sequences import SequenceBatch
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup, WorkerFailure
 from fastdraft.trainer.spot import SpotConfig, SpotStats
@@ -66,6 +68,7 @@ class OnlineDrafter:
         self._remaining, self._threshold = 0, 0.0
         self._steps_at_start = 0
         self._dropped_at_start = self._inbox_dropped = self._inbox_at_start = 0
+        self._added_at_start = 0
         self.accept_at_publish: float | None = None
         self.pause_s = 0.0
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
@@ -107,8 +110,27 @@ class OnlineDrafter:
 
     @property
     def on_hidden(self) -> SampleCollector | None:
-        """The engine's hidden-state sink; None (no capture at all) while nothing consumes."""
-        return self.collector if self.consuming else None
+        """The engine's hidden-state sink; None (no capture at all) while nothing consumes, or
+        when the samples come from the actor's forward."""
+        return self.collector if self.consuming and self.cfg.source == "engine" else None
+
+    @property
+    def actor_hidden_layers(self) -> tuple[int, ...] | None:
+        """What the actor's update forward must hand back for this drafter's samples (the
+        inputs of its aux layers, besides the final hidden states); None: nothing."""
+        if not self.consuming or self.cfg.source != "actor":
+            return None
+        return tuple(self.engine.model_drafter.aux_layers)
+
+    def add_actor_samples(self, batch: SequenceBatch, hidden: dict[int, RowHidden],
+                          requests: list[int], rewards: list[float]) -> None:
+        """The samples of the actor's forward over the update batch (row r: rollout request
+        requests[r]), each with its request's reward."""
+        if not self.consuming:
+            return
+        samples = actor_samples(batch, hidden, requests, [rewards[i] for i in requests],
+                                self.collector.rl_step, self.engine.policy_version)
+        self.collector.add_remote(samples, len(samples), 0, sum(s.nbytes for s in samples))
 
     # ----------------------------------------------------------------------------- rollout
     def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None:
@@ -119,6 +141,7 @@ class OnlineDrafter:
         self._remaining, self._threshold = num_requests, self.cfg.tail_fraction * num_requests
         self.pause_s = 0.0
         self._dropped_at_start = self.collector.dropped_tokens
+        self._added_at_start = self.collector.num_added
         self._inbox_at_start = self._inbox_dropped_total()
         if self.consuming:
             self.worker.advance_step()
@@ -309,7 +332,9 @@ class OnlineDrafter:
                                                - self._dropped_at_start),
                "drafter/inbox_dropped": float(self._inbox_dropped_total()
                                               - self._inbox_at_start),
-               "drafter/inflight_mb_peak": collector.peak_bytes / 2**20}
+               "drafter/inflight_mb_peak": collector.peak_bytes / 2**20,
+               # rollouts whose samples went to the trainer this step
+               "drafter/samples_added": float(collector.num_added - self._added_at_start)}
         if stats.last:
             out.update({"drafter/loss": stats.last["loss"],
                         "drafter/top1_acc": stats.last["top1_acc"],

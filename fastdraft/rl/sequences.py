@@ -41,8 +41,18 @@ class SequenceBatch:
 
 def _lengths(mask: torch.Tensor) -> torch.Tensor:
     """[B, L - 1] answer mask -> index of each row's last scored column + 1 (0 if none)."""
-    cols = torch.arange(1, mask.shape[1] + 1)
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
     return (mask * cols).amax(1)
+
+
+def sequence_lengths(batch: SequenceBatch) -> torch.Tensor:
+    """Each row's prompt + answer tokens [B] (on the host)."""
+    return (_lengths(batch.mask) + 1).cpu()
+
+
+def prompt_lengths(batch: SequenceBatch) -> torch.Tensor:
+    """Each row's prompt tokens [B] (column P - 1 scores the first answer token)."""
+    return (batch.mask.int().argmax(1) + 1).cpu()
 
 
 def build_batch(prompts: list[list[int]], answers: list[list[int]],

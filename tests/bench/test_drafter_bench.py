@@ -19,10 +19,13 @@ def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, t
     out = run_drafter_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "d.json")
     for key in ("packing_speedup", "preemption_latency_s_median", "ckpt_blocking_ratio",
                 "adaptive_accept_length", "stale_accept_length", "adaptive_vs_stale",
-                "reward_kd_accept_length"):
+                "reward_kd_accept_length", "actor_source_update_ratio",
+                "actor_source_rollout_ratio", "actor_source_vs_engine",
+                "actor_source_vs_engine_online"):
         assert out[key] > 0, key
     assert out["drift"]["stale"]["drafter_version"] == 0
     assert out["drift"]["kd"]["drafter_version"] >= 1
     assert len(out["drift"]["reward_kd"]["rewards"]) == 2
+    assert out["drift"]["reward_kd_actor"]["drafter_version"] >= 1   # it trained and published
     assert json.loads((tmp_path / "d.json").read_text())["adaptive_vs_stale"] > 0
     assert all(isinstance(line, str) and line for line in summary_lines(out))
