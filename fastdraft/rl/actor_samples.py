@@ -6,8 +6,9 @@ EAGLE-3's aux layer inputs) at positions 0 .. L - 2 are the very features an eng
 records for a finished request (one model definition serves both), so the samples are the
 ones `SampleCollector.on_finish` makes: the first L - 1 tokens, their hidden states, the loss
 mask from the first drafted pair on. They differ from captured ones by the forward's numerics
-only (batch shape, the actor's compute dtype), and they exist for the rows the update trains on
-(`algorithm.skip_zero_variance` leaves zero-variance groups out of the batch).
+only (batch shape, the actor's compute dtype). The rows the update leaves out
+(`algorithm.skip_zero_variance`'s zero-variance groups) get a forward without gradient
+(`Actor.hidden_states`, rl/loop.py), so the drafter learns from every rollout.
 """
 
 from __future__ import annotations

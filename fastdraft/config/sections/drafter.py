@@ -25,10 +25,10 @@ class OnlineDrafterConfig:
     intra-op threads of the trainer's process; source: where the (hidden state, next token)
     samples come from: engine (the rollout engine captures them as requests finish, so the
     rollout's own tail trains on them) or actor (the actor's update forward over the rollout
-    yields them, rl/actor_samples.py: no capture in the engine, the rows the update trains on
-    only, the tail trains on the previous step's); refresh: every_step (publish after each step)
-    or on_drop (only once the measured accept length fell by refresh_drop below the last
-    published drafter's first step).
+    yields them, rl/actor_samples.py: no capture in the engine, a forward of its own for the
+    rows the update leaves out, the tail trains on the previous step's); refresh: every_step
+    (publish after each step) or on_drop (only once the measured accept length fell by
+    refresh_drop below the last published drafter's first step).
 
     Where and within what it trains:
     device: the trainer process's device (cpu, cuda, cuda:N); None: the policy's model.device,
