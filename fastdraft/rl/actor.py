@@ -104,31 +104,31 @@ class Actor:
     @torch.no_grad()
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         """The actor's logprobs of every token of the batch [B, L - 1] (no gradient)."""
-        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
-        parts = [[None if rows is None else batch.rows(rows) for rows in micro]
-                 for micro in plan]
-        self._send("logprobs", [(part,) for part in parts[1:]])
-        answers = [self.rank0.logprobs(parts[0]), *self._gather("logprobs")]
         out = torch.zeros(batch.mask.shape)
-        for micro, results in zip(plan, answers):
-            for rows, lp in zip([r for r in micro if r is not None], results):
-                out[rows, : lp.shape[1]] = lp
+        for rows, lp in self._forward_on_ranks("logprobs", batch):
+            out[rows, : lp.shape[1]] = lp
         return out
 
     @torch.no_grad()
     def hidden_states(self, batch: SequenceBatch, layers: tuple[int, ...]
                       ) -> dict[int, RowHidden]:
         """Every row's hidden states (final, and the inputs of `layers`), no gradient."""
+        out: dict[int, RowHidden] = {}
+        for rows, states in self._forward_on_ranks("hidden", batch, layers):
+            out.update(zip(rows.tolist(), states))
+        return out
+
+    def _forward_on_ranks(self, command: str, batch: SequenceBatch, *args: Any
+                          ) -> Iterator[tuple[torch.Tensor, Any]]:
+        """The batch's micro-batches spread over the ranks, `ActorRank.<command>(micro,
+        *args)` on each (one answer per real micro-batch): (its row indices, its answer)."""
         plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
-        self._send("hidden", [(part, layers) for part in parts[1:]])
-        answers = [self.rank0.hidden(parts[0], layers), *self._gather("hidden")]
-        out: dict[int, RowHidden] = {}
+        self._send(command, [(part, *args) for part in parts[1:]])
+        answers = [getattr(self.rank0, command)(parts[0], *args), *self._gather(command)]
         for micro, results in zip(plan, answers):
-            for rows, states in zip([r for r in micro if r is not None], results):
-                out.update(zip(rows.tolist(), states))
-        return out
+            yield from zip([r for r in micro if r is not None], results)
 
     # ------------------------------------------------------------------ weights and state
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
