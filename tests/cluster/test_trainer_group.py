@@ -101,9 +101,13 @@ def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy,
     from fastdraft.rl.run import Run
     from tests.rl.test_drafter_resilience import ONLINE
     from tests.rl.test_loop import _cfg
+    # Three groups on two workers at a batch of one group: one worker runs two waves, the
+    # other idles for a whole wave, long enough for a round to form and train (with two
+    # groups each, the idle window was a few decode steps and on a fast machine often none).
     run = Run(_cfg(char_policy, *ONLINE, f"drafter.path={char_drafter}", "cluster.backend=ray",
                    "cluster.rollout_workers=2", "cluster.drafter_training=data_parallel",
-                   "rollout.prompts_per_step=4", "rollout.max_new_tokens=24",
+                   "rollout.prompts_per_step=3", "rollout.max_new_tokens=32",
+                   "rollout.max_batch_size=4",
                    f"drafter.online.source={source}"), tmp_path / "run")
     assert isinstance(run.drafter.worker, TrainerGroup)
     # actor: the workers capture nothing, the update's forward feeds every member
