@@ -66,6 +66,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=1,
                    help="cluster: run the ray_off / ray_on pair with this many seeds (the "
                         "recipe's, then the next ones): exposed_drafter_cost is their mean")
+    p.add_argument("--backends", default=None,
+                   help="recipe: two rollout backends side by side instead of speculation off "
+                        "/ on, e.g. native,vllm (vllm: from the vLLM venv, scripts/setup-vllm.sh)")
     p.add_argument("--consolidate-below", type=int, default=16,
                    help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
                         "worker's tail of fewer requests moves to a generating worker)")
@@ -131,7 +134,9 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
              if args.which == "kv" else
              {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below,
               "seeds": args.seeds}
-             if args.which == "cluster" else {})
+             if args.which == "cluster" else
+             {"backends": args.backends.split(",") if args.backends else None}
+             if args.which == "recipe" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
               args.json, args.cache_dir, **extra)
     print("\n".join(module.summary_lines(out)))

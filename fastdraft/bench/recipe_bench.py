@@ -1,5 +1,9 @@
 """`fastdraft bench recipe`: a recipe run twice side by side, speculation off and on, same seeds,
 steps interleaved (off step 0, on step 0, off step 1, ...) so machine drift hits both alike.
+With `--backends native,vllm` the arms are the rollout backends instead, both speculating
+(fastdraft's engine, vLLM), plus `vllm_stale`: vLLM with the drafter the run starts from and no
+online training, so the online drafter's accept length inside vLLM has its baseline beside it,
+step by step; the ratios and the law check then compare vllm against native.
 
 Reports the total rollout time ratio (`rollout_time_ratio` = on / off), the step time ratio,
 the rollout share of each, and both reward curves. How the rewards are compared:
@@ -24,39 +28,43 @@ from typing import Any
 
 from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
+from fastdraft.config.sections.rollout import ROLLOUT_BACKENDS
 from fastdraft.rl.loop import rollout, train_step
 from fastdraft.rl.run import Run
 
 
 def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
                      json_path: Path | None = None, cache_dir: Path | None = None,
-                     law_seeds: int = 8) -> dict[str, Any]:
+                     law_seeds: int = 8, backends: list[str] | None = None) -> dict[str, Any]:
     base = load_recipe(recipe, overrides)
     if not base.rollout.spec.enabled:
         raise ValueError(f"{recipe} does not speculate (rollout.spec.method=none): nothing to "
                          "compare; set rollout.spec.method")
+    if base.actor.num_ranks > 1:   # each actor's rank 0 holds this process's default group
+        raise ValueError(f"bench recipe runs its arms' actors in one process: a sharded actor "
+                         f"(actor.num_ranks={base.actor.num_ranks}) cannot be one of several "
+                         f"there; add actor.num_ranks=1 (what is compared is the rollout)")
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false"]
+    arms = _arms(base.rollout.spec.method, base.drafter.online.enabled, backends)
     runs: dict[str, Run] = {}
-    for name, method in (("off", "none"), ("on", base.rollout.spec.method)):
+    for name, arm in arms.items():
         run_dir = out_dir / name
         shutil.rmtree(run_dir, ignore_errors=True)
-        # Off: plain decoding, so no drafter to train either.
-        off = (["drafter.online.enabled=false", "rollout.tuner.enabled=false",
-                "rollout.budget.enabled=false"] if method == "none" else [])
-        cfg = load_recipe(recipe, [*overrides, *quiet, f"rollout.spec.method={method}", *off])
-        runs[name] = Run(cfg, run_dir, cache_dir=cache_dir)
+        runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *arm]), run_dir,
+                         cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for step in range(base.algorithm.num_steps):
         for name, run in runs.items():
             rows[name].append(train_step(run, step))
-            print(f"step {step + 1}/{base.algorithm.num_steps} speculation {name}: reward "
+            print(f"step {step + 1}/{base.algorithm.num_steps} {name}: reward "
                   f"{rows[name][-1]['reward/mean']:.3f} rollout "
                   f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
-    law = law_check(runs, base.rollout.prompts_per_step, law_seeds)
+    ref, other = list(runs)[:2]   # off / on, or native / vllm
+    law = law_check(runs, base.rollout.prompts_per_step, law_seeds, ref, other)
     for run in runs.values():
         run.finish()
     samples = base.rollout.prompts_per_step * base.rollout.group_size
-    payload = {**_summary(rows), "law_check": law}
+    payload = {**_summary(rows, ref, other), "law_check": law, "arms": arms}
     payload.update(recipe=str(recipe), overrides=overrides, num_steps=base.algorithm.num_steps,
                    samples_per_step=samples, plot=str(_plot(rows, out_dir / "recipe_bench.png")))
     if json_path is not None:
@@ -64,7 +72,25 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
     return payload
 
 
-def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+def _arms(method: str, online: bool, backends: list[str] | None) -> dict[str, list[str]]:
+    """Each arm's recipe overrides: speculation off / on, or one arm per rollout backend."""
+    if not backends:   # off: plain decoding, so no drafter to train either
+        return {"off": ["rollout.spec.method=none", "drafter.online.enabled=false",
+                        "rollout.tuner.enabled=false", "rollout.budget.enabled=false"],
+                "on": [f"rollout.spec.method={method}"]}
+    unknown = sorted(set(backends) - set(ROLLOUT_BACKENDS))
+    if unknown or len(backends) != 2 or len(set(backends)) != 2:
+        raise ValueError(f"--backends: two of {', '.join(ROLLOUT_BACKENDS)} (e.g. native,vllm), "
+                         f"got {','.join(backends)}")
+    # vLLM has neither the tuner nor budgets: both arms serve the recipe's drafter without
+    arms = {b: [f"rollout.backend={b}", "rollout.tuner.enabled=false",
+                "rollout.budget.enabled=false"] for b in backends}
+    if "vllm" in arms and online:
+        arms["vllm_stale"] = [*arms["vllm"], "drafter.online.enabled=false"]
+    return arms
+
+
+def _summary(rows: dict[str, list[dict[str, float]]], ref: str, other: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, steps in rows.items():
         rewards = [r["reward/mean"] for r in steps]
@@ -80,7 +106,7 @@ def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
             reward_last5=sum(rewards[-5:]) / len(rewards[-5:]),
             reward_mean=sum(rewards) / len(rewards),
             accept_length=[r.get("rollout/accept_length", 1.0) for r in steps])
-    off, on = out["off"], out["on"]
+    off, on = out[ref], out[other]
     out["rollout_time_ratio"] = on["rollout_time_s"] / off["rollout_time_s"]
     # The runs train on their own samples, so their answers (the work) drift apart: tokens a
     # second of rollout compares the engines on the work each actually did.
@@ -91,14 +117,16 @@ def _summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
-def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int) -> dict[str, Any]:
-    """Both runs' engines roll out one policy (the off run's, pushed into the on run's engine)
-    with `num_seeds` seeds training never used; per seed, the mean reward and answer length."""
+def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int, ref: str = "off",
+              other: str = "on") -> dict[str, Any]:
+    """Two runs' engines roll out one policy (ref's, pushed into other's engine) with
+    `num_seeds` seeds training never used; per seed, the mean reward and answer length."""
     if num_seeds < 2:
         return {"num_seeds": num_seeds}
-    runs["on"].engine.load_weights(runs["off"].actor.full_parameters())
+    runs[other].engine.load_weights(runs[ref].actor.full_parameters())
     per_run: dict[str, dict[str, list[float]]] = {}
-    for name, run in runs.items():
+    for name in (ref, other):
+        run = runs[name]
         items = run.prompts.batch(0, num_prompts)
         group = run.cfg.rollout.group_size
         rewards, lengths = [], []
@@ -113,7 +141,7 @@ def law_check(runs: dict[str, Run], num_prompts: int, num_seeds: int) -> dict[st
         per_run[name] = {"reward": rewards, "length": lengths}
     out: dict[str, Any] = {"num_seeds": num_seeds, **per_run}
     for key in ("reward", "length"):
-        diff, half = _welch(per_run["on"][key], per_run["off"][key])
+        diff, half = _welch(per_run[other][key], per_run[ref][key])
         out[f"{key}_diff"], out[f"{key}_diff_95"] = diff, [diff - half, diff + half]
         out[f"{key}_consistent"] = diff - half <= 0 <= diff + half
     return out
@@ -133,15 +161,18 @@ def _plot(rows: dict[str, list[dict[str, float]]], out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, accept) = plt.subplots(1, 3, figsize=(15, 4))
     for name, steps in rows.items():
         x = list(range(1, len(steps) + 1))
-        left.plot(x, [r["reward/mean"] for r in steps], marker="o", label=f"speculation {name}")
-        right.plot(x, [r["rollout/time_s"] for r in steps], marker="o", label=f"speculation {name}")
-    left.set(title="reward per step (two trajectories)", xlabel="step")
+        left.plot(x, [r["reward/mean"] for r in steps], marker="o", label=name)
+        right.plot(x, [r["rollout/time_s"] for r in steps], marker="o", label=name)
+        accept.plot(x, [r.get("rollout/accept_length", 1.0) for r in steps], marker="o",
+                    label=name)
+    left.set(title="reward per step (separate trajectories)", xlabel="step")
     right.set(title="rollout time per step (s)", xlabel="step")
-    left.legend()
-    right.legend()
+    accept.set(title="accept length per step", xlabel="step")
+    for ax in (left, right, accept):
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
@@ -149,19 +180,23 @@ def _plot(rows: dict[str, list[dict[str, float]]], out: Path) -> Path:
 
 
 def summary_lines(out: dict[str, Any]) -> list[str]:
-    lines = [f"rollout_time_ratio (on / off): {out['rollout_time_ratio']:.3f} (rollout tokens/s "
-             f"on / off {out['rollout_tokens_per_s_ratio']:.3f}); step_time_ratio "
-             f"{out['step_time_ratio']:.3f}; rollout share off {out['off']['rollout_share']:.0%}, "
-             f"on {out['on']['rollout_share']:.0%}",
-             f"reward first 5 / last 5: off {out['off']['reward_first5']:.3f} / "
-             f"{out['off']['reward_last5']:.3f}, on {out['on']['reward_first5']:.3f} / "
-             f"{out['on']['reward_last5']:.3f}; mean over the steps on - off "
-             f"{out['reward_mean_diff']:+.3f} (two training trajectories: not a paired test)"]
+    ref, other = list(out["arms"])[:2]
+    lines = [f"rollout_time_ratio ({other} / {ref}): {out['rollout_time_ratio']:.3f} (rollout "
+             f"tokens/s {out['rollout_tokens_per_s_ratio']:.3f}); step_time_ratio "
+             f"{out['step_time_ratio']:.3f}; rollout share " + ", ".join(
+                 f"{name} {out[name]['rollout_share']:.0%}" for name in out["arms"]),
+             "reward first 5 / last 5: " + ", ".join(
+                 f"{name} {out[name]['reward_first5']:.3f} / {out[name]['reward_last5']:.3f}"
+                 for name in out["arms"]) + f"; mean over the steps {other} - {ref} "
+             f"{out['reward_mean_diff']:+.3f} (separate training trajectories: not paired)"]
+    if len(out["arms"]) > 2 or ref != "off":
+        lines += [f"accept length per step, {name}: " + " ".join(
+            f"{a:.2f}" for a in out[name]["accept_length"]) for name in out["arms"]]
     law = out["law_check"]
     if "reward_diff" in law:
-        lines.append(f"same policy, {law['num_seeds']} seeds each: reward on - off "
+        lines.append(f"same policy, {law['num_seeds']} seeds each: reward {other} - {ref} "
                      f"{law['reward_diff']:+.4f} (95% {law['reward_diff_95'][0]:+.4f} .. "
-                     f"{law['reward_diff_95'][1]:+.4f}), answer length on - off "
+                     f"{law['reward_diff_95'][1]:+.4f}), answer length {other} - {ref} "
                      f"{law['length_diff']:+.2f} (95% {law['length_diff_95'][0]:+.2f} .. "
                      f"{law['length_diff_95'][1]:+.2f})")
     return [*lines, f"plot: {out['plot']}"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.trainer.collector import SampleCollector
+from fastdraft.utils.weight_buckets import weight_buckets
 
 OnFinish = Callable[[Completion], None]
 #: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
@@ -268,7 +269,7 @@ class RolloutPool:
         start = time.perf_counter()
         version = self.host.policy_version + 1 if version is None else version
         refs, loads = [], []
-        for bucket in _buckets(named_tensors, int(self.cfg.push_bucket_mb * 2**20)):
+        for bucket in weight_buckets(named_tensors, int(self.cfg.push_bucket_mb * 2**20)):
             self.host.load_weights(bucket, version)
             refs.append(ray.put(bucket))
             loads += [w.load_weights.remote(refs[-1], version) for w in self.workers]
@@ -373,19 +374,3 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         remove_placement_group(self.group)
-
-
-def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int
-             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Host copies of the tensors in groups of at most `limit` bytes (a bigger tensor alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        tensor = tensor.detach().cpu()
-        if bucket and size + tensor.nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += tensor.nbytes
-    if bucket:
-        yield bucket

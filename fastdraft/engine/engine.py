@@ -62,6 +62,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
     buckets: the batch / context padding ladders (default: graph ladders when graphs are on,
     exact sizes otherwise)."""
 
+    captures_hidden = True   # hands out hidden states as requests finish (on_hidden)
+
     def __init__(self, model_path: str | Path, device: str = "cpu", max_batch_size: int = 64,
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  max_prefill_tokens: int = 16384, drafter: str | Path | None = None,

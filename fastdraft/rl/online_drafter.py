@@ -50,6 +50,9 @@ class OnlineDrafter:
             raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
                              "rollout.spec.method=eagle")
         self.cfg, self.seed, self.engine = cfg, seed, engine
+        # auto: the engine's capture where it has one (fastdraft's engine; vLLM has none)
+        self.source = (cfg.source if cfg.source != "auto"
+                       else "engine" if engine.captures_hidden else "actor")
         self.loss = online_loss(cfg.loss, drafter.kind)
         self.start_trainer = start_trainer or _spot_worker
         self.device = cfg.device or device or str(next(engine.model.parameters()).device)
@@ -112,13 +115,13 @@ class OnlineDrafter:
     def on_hidden(self) -> SampleCollector | None:
         """The engine's hidden-state sink; None (no capture at all) while nothing consumes, or
         when the samples come from the actor's forward."""
-        return self.collector if self.consuming and self.cfg.source == "engine" else None
+        return self.collector if self.consuming and self.source == "engine" else None
 
     @property
     def actor_hidden_layers(self) -> tuple[int, ...] | None:
         """What the actor's update forward must hand back for this drafter's samples (the
         inputs of its aux layers, besides the final hidden states); None: nothing."""
-        if not self.consuming or self.cfg.source != "actor":
+        if not self.consuming or self.source != "actor":
             return None
         return tuple(self.engine.model_drafter.aux_layers)
 

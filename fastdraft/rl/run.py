@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fastdraft.backends import build_rollout
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
 from fastdraft.cluster.timeline import Span, TimelineLog, spans_metrics
@@ -91,10 +92,8 @@ class Run:
                           json.dumps(self.memory_plan.as_dict(), indent=1))
         make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
                               self.memory_plan.engine_reserve)
-        # local: the engine in this process; ray: replicas on Ray actors behind a RolloutPool
-        # with the engine's interface (fastdraft/cluster/pool.py).
-        self.engine = make_engine(device) if cfg.cluster.backend == "local" else _pool(
-            cfg, make_engine)
+        self.engine = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir, run_dir,
+                                    max_seq_len)
         # A resumed actor starts from the checkpoint's fp32 masters; the RNGs come back here.
         loaded = self.checkpoints.load(latest) if latest is not None else None
         # The actor scores every position the engine can sample at (its rotary table too).
@@ -320,17 +319,6 @@ def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
     return {"device": engine.device,
             "start_trainer": lambda setup, online, stats: RayTrainer(setup, online, stats,
                                                                      options)}
-
-
-def _pool(cfg: RunConfig, make_engine: Callable[..., RolloutEngine]) -> Any:
-    from fastdraft.cluster.pool import RolloutPool
-    from fastdraft.cluster.ray_cluster import connect
-    threads = max(cfg.cluster.worker_threads, 1)
-    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers + cfg.actor.num_ranks - 1)
-    pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True),
-                       cfg.model.device, cfg.rollout.group_size)
-    pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
-    return pool
 
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,

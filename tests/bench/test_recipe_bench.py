@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from fastdraft.bench.recipe_bench import run_recipe_bench, summary_lines
+import pytest
+
+from fastdraft.bench.recipe_bench import _arms, run_recipe_bench, summary_lines
 
 
 def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
@@ -28,3 +31,22 @@ def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
     assert json.loads((tmp_path / "b.json").read_text())["num_steps"] == 2
     assert (tmp_path / "runs" / "recipe_bench.png").stat().st_size > 5000
     assert all(isinstance(line, str) and line for line in summary_lines(out))
+
+
+def test_backend_arms_are_each_backend_speculating_and_vllm_with_a_stale_drafter():
+    arms = _arms("eagle", True, ["native", "vllm"])
+    assert list(arms) == ["native", "vllm", "vllm_stale"]   # native first: the reference
+    assert "rollout.backend=vllm" in arms["vllm"] and "rollout.backend=native" in arms["native"]
+    assert arms["vllm_stale"] == [*arms["vllm"], "drafter.online.enabled=false"]
+    assert list(_arms("eagle", False, ["native", "vllm"])) == ["native", "vllm"]   # no online
+    assert list(_arms("eagle", True, None)) == ["off", "on"]
+    for bad in (["native", "sglang"], ["vllm"], ["vllm", "vllm"]):
+        with pytest.raises(ValueError, match="--backends: two of native, vllm"):
+            _arms("eagle", True, bad)
+
+
+def test_a_sharded_actor_is_refused_with_the_override_to_add(tmp_path):
+    recipe = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
+    with pytest.raises(ValueError, match=r"add actor\.num_ranks=1"):
+        run_recipe_bench(recipe, [], tmp_path)
+

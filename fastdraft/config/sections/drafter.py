@@ -23,7 +23,8 @@ class OnlineDrafterConfig:
     time did not suffice, so every step publishes a trained drafter (0: idle time only);
     num_threads: torch
     intra-op threads of the trainer's process; source: where the (hidden state, next token)
-    samples come from: engine (the rollout engine captures them as requests finish, so the
+    samples come from: auto (engine where the rollout engine can capture: fastdraft's; actor
+    with vLLM), engine (the rollout engine captures them as requests finish, so the
     rollout's own tail trains on them) or actor (the actor's update forward over the rollout
     yields them, rl/actor_samples.py: no capture in the engine, a forward of its own for the
     rows the update leaves out, the tail trains on the previous step's); refresh: every_step
@@ -60,7 +61,7 @@ class OnlineDrafterConfig:
     max_steps_per_step: int = 0
     min_steps_per_step: int = 0
     num_threads: int = 1
-    source: str = "engine"
+    source: str = "auto"
     refresh: str = "every_step"
     refresh_drop: float = 0.3
     device: str | None = None
@@ -74,8 +75,8 @@ class OnlineDrafterConfig:
     def __post_init__(self) -> None:
         _require(self.refresh in ("every_step", "on_drop"),
                  f"drafter.online.refresh must be every_step or on_drop, got {self.refresh!r}")
-        _require(self.source in ("engine", "actor"),
-                 f"drafter.online.source must be engine or actor, got {self.source!r}")
+        _require(self.source in ("auto", "engine", "actor"),
+                 f"drafter.online.source must be auto, engine or actor, got {self.source!r}")
         _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
         _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
                  "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")

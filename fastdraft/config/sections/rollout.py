@@ -65,6 +65,10 @@ class BudgetSection:
             raise ValueError(f"rollout.budget: {err}") from None
 
 
+#: What serves the rollouts (fastdraft/backends): fastdraft's engine, or vLLM (installed apart).
+ROLLOUT_BACKENDS = ("native", "vllm")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """prompts_per_step prompts, group_size samples each (GRPO's n), served by the engine."""
@@ -85,6 +89,7 @@ class RolloutConfig:
     compile: bool = False
     kv_block_size: int = KV_BLOCK_SIZE  # cells per block of the paged KV cache; 0: static slots
     kv_cache_gb: float | None = None    # the paged cache's size; None: what static slots hold
+    backend: str = "native"             # native: fastdraft's engine; vllm: vLLM (an extra)
 
     def __post_init__(self) -> None:
         _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
@@ -96,6 +101,8 @@ class RolloutConfig:
         _require(self.temperature > 0, "rollout.temperature must be > 0: RL samples (greedy "
                  "rollouts give every group one answer)")
         _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _require(self.backend in ROLLOUT_BACKENDS, f"rollout.backend must be one of "
+                 f"{', '.join(ROLLOUT_BACKENDS)}, got {self.backend!r}")
         _require(self.kv_block_size >= 0, "rollout.kv_block_size must be >= 0 (0: static "
                  "KV slots, each sized for the longest sequence)")
         _require(self.kv_cache_gb is None or self.kv_cache_gb > 0,

@@ -67,3 +67,26 @@ class RunConfig:
                  f"cluster.placement=colocated puts actor rank r beside rollout worker r: "
                  f"actor.num_ranks={self.actor.num_ranks} needs cluster.rollout_workers >= "
                  f"{self.actor.num_ranks} (now {self.cluster.rollout_workers})")
+        if self.rollout.backend == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """What rollout.backend=vllm serves (backends/vllm_rollout.py): fastdraft's own
+        engine features that live inside the engine have no vLLM counterpart."""
+        spec, online = self.rollout.spec, self.drafter.online
+        _require(self.cluster.backend == "local", "rollout.backend=vllm runs vLLM in this "
+                 "process: set cluster.backend=local (vLLM spreads itself over its devices)")
+        _require(spec.method in ("none", "eagle"), f"rollout.backend=vllm serves "
+                 f"rollout.spec.method eagle or none, not {spec.method!r}")
+        _require(spec.method == "none" or self.drafter.kind == "eagle3", "rollout.backend=vllm "
+                 "serves EAGLE-3 drafters: set drafter.kind=eagle3")
+        _require(not (self.rollout.tuner.enabled or self.rollout.budget.enabled),
+                 "rollout.tuner and rollout.budget are fastdraft-engine features: disable them "
+                 "with rollout.backend=vllm")
+        _require(self.rollout.top_p == 1 and self.rollout.top_k == -1, "rollout.backend=vllm "
+                 "needs rollout.top_p=1 and top_k=-1: vLLM's processed logprobs renormalize over "
+                 "the top-p / top-k set, the loss and the gate use the policy's own logprob")
+        _require(not online.enabled or online.source != "engine", "rollout.backend=vllm hands "
+                 "out no hidden states: set drafter.online.source=actor or auto (the drafter "
+                 "learns from the actor's forward)")
+

@@ -1,0 +1,39 @@
+"""Rollout backends (rollout.backend): what serves the RL loop's rollouts behind the engine's
+interface. `native` is fastdraft's own engine (one process, or replicas behind the Ray pool);
+`vllm` the user's vLLM with fastdraft's drafter inside (backends/vllm_rollout.py), imported only
+when chosen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastdraft.config import RunConfig
+from fastdraft.engine import RolloutEngine
+
+
+def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], policy_dir: Path,
+                  drafter_dir: Path | None, work_dir: Path, max_seq_len: int) -> Any:
+    """The run's rollout engine: fastdraft's own in this process (cluster.backend=local) or
+    replicas on Ray actors behind a RolloutPool (ray), or vLLM (rollout.backend=vllm); each has
+    the engine's interface. make_engine(device, host=False): a native engine."""
+    device = cfg.model.device
+    if cfg.rollout.backend == "vllm":
+        from fastdraft.backends.vllm_rollout import VllmRollout
+        rollout = cfg.rollout
+        return VllmRollout(make_engine("cpu", host=True), policy_dir, drafter_dir, work_dir,
+                           device=device, max_seq_len=max_seq_len,
+                           max_batch_size=rollout.max_batch_size, dtype=cfg.model.dtype,
+                           seed=cfg.seed, spec_depth=rollout.spec.depth,
+                           kv_cache_gb=rollout.kv_cache_gb)
+    if cfg.cluster.backend == "local":
+        return make_engine(device)
+    from fastdraft.cluster.pool import RolloutPool
+    from fastdraft.cluster.ray_cluster import connect
+    threads = max(cfg.cluster.worker_threads, 1)
+    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers + cfg.actor.num_ranks - 1)
+    pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True), device,
+                       cfg.rollout.group_size)
+    pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
+    return pool
