@@ -177,8 +177,9 @@ class VllmRollout:
     def _push(self, named: list[tuple[str, torch.Tensor]], draft: bool, version: int) -> None:
         blob = save({name: t.detach().cpu().contiguous() for name, t in named})
         got = self.llm.collective_rpc("fastdraft_load", args=(blob, draft, version))
-        if any(n != len(named) for n in got):
-            raise RuntimeError(f"vLLM loaded {got} of {len(named)} tensors")
+        if any(answer != (len(named), version) for answer in map(tuple, got)):
+            raise RuntimeError(f"vLLM's workers answered {got} to a push of {len(named)} "
+                               f"tensors as version {version}")
         # Cached prefix blocks hold keys and values of the weights before (the policy's, and
         # the drafter's beside them): a prompt seen before would be served from them.
         if not self.llm.reset_prefix_cache():

@@ -75,9 +75,9 @@ class FastdraftWorkerExtension:
         register_kernels({EXPAND_KERNEL: expand_any_dtype})
         return True
 
-    def fastdraft_load(self, blob: bytes, draft: bool, version: int) -> int:
+    def fastdraft_load(self, blob: bytes, draft: bool, version: int) -> tuple[int, int]:
         """Loads a bucket of checkpoint-named tensors into the policy (draft=False) or the
-        drafter in place, which then serves as `version`; returns how many tensors it loaded."""
+        drafter in place, which then serves as `version`; returns (tensors loaded, version)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
         tensors = load(blob)
@@ -88,7 +88,7 @@ class FastdraftWorkerExtension:
             _retie_head(model, tensors)
         versions = self.__dict__.setdefault("_fastdraft_versions", {})
         versions["drafter" if draft else "policy"] = version
-        return len(tensors)
+        return len(tensors), version
 
     def fastdraft_versions(self) -> dict[str, int]:
         """The policy and drafter versions this worker serves (those of the last pushes)."""
