@@ -175,7 +175,7 @@ class VllmRollout:
         return version
 
     def _push(self, named: list[tuple[str, torch.Tensor]], draft: bool, version: int) -> None:
-        blob = save({name: t.detach().cpu().contiguous() for name, t in named})
+        blob = save({name: t.contiguous() for name, t in named})   # (host copies already)
         got = self.llm.collective_rpc("fastdraft_load", args=(blob, draft, version))
         if any(answer != (len(named), version) for answer in map(tuple, got)):
             raise RuntimeError(f"vLLM's workers answered {got} to a push of {len(named)} "

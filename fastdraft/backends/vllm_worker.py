@@ -18,11 +18,12 @@ the kernel's job in plain torch, in the output's own dtype."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 from safetensors.torch import load
+
+from fastdraft.utils.digest import tensor_digest
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -96,11 +97,7 @@ class FastdraftWorkerExtension:
 
     def fastdraft_digest(self, draft: bool) -> str:
         """A digest of the model's parameters as vLLM holds them (tests: a push changed them)."""
-        digest = hashlib.sha256()
-        for name, param in sorted(self._fastdraft_model(draft).named_parameters()):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()
+        return tensor_digest(self._fastdraft_model(draft).named_parameters())
 
     def _fastdraft_model(self, draft: bool) -> torch.nn.Module:
         runner = self.model_runner
