@@ -75,6 +75,8 @@ def device_stream(device: torch.device) -> contextlib.AbstractContextManager:
     trains only in the rollout's tail and during the actor update."""
     if device.type != "cuda":
         return contextlib.nullcontext()
+    if device.index is None:   # "cuda": the current one (set_device wants an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     return torch.cuda.stream(torch.cuda.Stream(device, priority=LOWEST_STREAM_PRIORITY))
 

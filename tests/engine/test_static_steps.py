@@ -1,6 +1,7 @@
 """Graph-static steps on the CPU: every step's device work runs as stages that never wait on
-the host (counted here), results come back in one transfer per step, and padding a batch to a
-bucket (free slots as extra rows, masked cells as extra context) changes no output."""
+the host nor copy from it (counted here), results come back in one transfer per step, and
+padding a batch to a bucket (free slots as extra rows, masked cells as extra context) changes
+no output."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero
             aten.nonzero.default, aten.masked_select.default,
             aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_dim.default,
             aten.unique_consecutive.default}
+# A tensor made from Python data (torch.tensor([...]) inside a stage): a copy from the host,
+# which a CUDA graph capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA
+# graph capture"; an H200 found one in accept_sampled). A 0-dim one is a scalar (`x[i] = 0`),
+# which reaches the kernel as an argument: allowed.
+HOST_DATA_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 
 
 class SyncCounter(TorchDispatchMode):
@@ -31,7 +37,7 @@ class SyncCounter(TorchDispatchMode):
         self.syncs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SYNC_OPS:
+        if func in SYNC_OPS or (func in HOST_DATA_OPS and args[0].dim() > 0):
             self.syncs.append(str(func))
         return func(*args, **(kwargs or {}))
 

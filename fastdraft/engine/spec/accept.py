@@ -122,7 +122,10 @@ def accept_sampled(drafts: DraftBatch, logits: torch.Tensor, st: SamplingTensors
     b_idx = torch.arange(batch, device=dev)
     cand = first_child[:, 0]
     pq = pq_rows[:, 0]
-    keep_p = torch.tensor([1.0, 0.0], device=dev).view(1, 2, 1)  # rows of pq kept as p, q -> 0
+    # Rows of pq kept as p, q -> 0. Filled on the device: a host list would be a copy to the
+    # GPU, which a CUDA graph capture refuses (tests/engine/test_capture_rules.py).
+    keep_p = torch.zeros(1, 2, 1, device=dev)
+    keep_p[:, 0] = 1.0
     path = torch.full((batch, max_depth), -1, dtype=torch.long, device=dev)
     depth_cols = torch.arange(max_depth, device=dev)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=dev)
