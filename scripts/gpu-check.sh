@@ -9,6 +9,11 @@
 # (default: the real-shape GPU bench without torch.compile, then the fp32 spec bench, where
 # greedy speculative output must equal plain output). `bench gpu` with torch.compile spends
 # minutes compiling on a fresh machine: ask for it explicitly (gpu:bfloat16).
+# GPU_CHECK_PARTS: which parts run, in this order (default "tests bench"); "rl" runs RL steps on
+# the GPU: the miniature real recipe (one actor rank: FSDP2 ranks need a GPU each) and, where
+# Ray is installed, the tiny recipe with 2 rollout workers sharing this one GPU
+# (cluster.gpus_per_worker=0.5); GPU_CHECK_STEPS steps each (default 3). Each run's log and
+# metrics.jsonl land in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu}
@@ -19,17 +24,43 @@ status=0
 nvidia-smi -L
 "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'cuda', torch.cuda.is_available())"
-"$py" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" || status=1
-if [[ ${GPU_CHECK_FULL:-0} == 1 ]]; then
-  "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests 2>&1 | tail -15 \
-    | tee "$out/cpu_suite.log" || status=1
-fi
-for run in ${GPU_CHECK_BENCH:-gpu:bfloat16:--no-compile+--repeats+2 spec:float32}; do
-  IFS=: read -r which dtype extra <<<"$run"
-  name=bench_${which}_${dtype}${extra:+_${extra//[^a-z0-9]/}}
-  # shellcheck disable=SC2086  # extra holds several arguments
-  "$py" -c "from fastdraft.cli import main; raise SystemExit(main())" bench "$which" \
-    --device cuda --dtype "$dtype" --json "$out/$name.json" ${extra//+/ } 2>&1 \
-    | tee "$out/$name.log" || status=1
+tests() {
+  "$py" -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" || status=1
+  if [[ ${GPU_CHECK_FULL:-0} == 1 ]]; then
+    "$py" -m pytest -q -p no:cacheprovider -m "not gpu" tests 2>&1 | tail -15 \
+      | tee "$out/cpu_suite.log" || status=1
+  fi
+}
+fastdraft() { "$py" -c "from fastdraft.cli import main; raise SystemExit(main())" "$@"; }
+rl_run() {   # NAME RECIPE OVERRIDES...: a few steps on the GPU, its log and metrics in $out
+  local name=$1 dir; dir=$(mktemp -d); shift
+  fastdraft run --run-dir "$dir/$name" "$@" model.device=cuda logging.wandb.mode=disabled \
+    "algorithm.num_steps=${GPU_CHECK_STEPS:-3}" 2>&1 | tee "$out/$name.log" || status=1
+  cp "$dir/$name/metrics.jsonl" "$out/$name.metrics.jsonl" || status=1
+  rm -rf "$dir"
+}
+rl() {
+  rl_run rl_miniature recipes/tiny-qwen3-eagle3.yaml actor.num_ranks=1
+  if "$py" -c "import ray" 2>/dev/null; then
+    rl_run rl_ray_2workers_1gpu recipes/tiny-grpo.yaml cluster.backend=ray \
+      cluster.rollout_workers=2 cluster.gpus_per_worker=0.5
+  else
+    echo "rl: Ray is not installed here: the 2-workers-on-one-GPU run is skipped"
+  fi
+}
+bench() {
+  for run in ${GPU_CHECK_BENCH:-gpu:bfloat16:--no-compile+--repeats+2 spec:float32}; do
+    IFS=: read -r which dtype extra <<<"$run"
+    name=bench_${which}_${dtype}${extra:+_${extra//[^a-z0-9]/}}
+    # shellcheck disable=SC2086  # extra holds several arguments
+    fastdraft bench "$which" --device cuda --dtype "$dtype" --json "$out/$name.json" \
+      ${extra//+/ } 2>&1 | tee "$out/$name.log" || status=1
+  done
+}
+for part in ${GPU_CHECK_PARTS:-tests bench}; do
+  case $part in
+    tests|rl|bench) "$part" ;;
+    *) echo "GPU_CHECK_PARTS: unknown part $part (tests, rl, bench)"; exit 2 ;;
+  esac
 done
 exit $status

@@ -52,6 +52,13 @@ TRAINER_GPU_SHARE = 0.1
 ACTOR_GPU_SHARE = 0.4
 
 
+def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
+    """What a rollout worker's placement bundle reserves: its threads, and on a GPU node
+    `cluster.gpus_per_worker` of a GPU (0.5: two workers, each with its engine, share one)."""
+    gpus = cfg.gpus_per_worker if device.startswith("cuda") else 0
+    return {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
+
+
 class RolloutPool:
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
                  device: str, group_size: int) -> None:
@@ -60,8 +67,7 @@ class RolloutPool:
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
-        gpus = 1 if self.device.startswith("cuda") else 0
-        self.bundle = {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
+        self.bundle = worker_bundle(cfg, self.device)
         self.group = placement_group([self.bundle] * cfg.rollout_workers, strategy="PACK")
         ray.get(self.group.ready())
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]

@@ -19,7 +19,10 @@ class ClusterConfig:
     address: an existing Ray cluster to join (`ray start --head` prints it); None starts a local
     one. worker_threads: torch threads of each rollout worker (CPU; 0 leaves torch's default).
     worker_device: the rollout workers' device (None: model.device; on a GPU node each worker
-    gets one GPU from Ray and sees it as cuda:0). dispatch: how whole GRPO groups go to workers:
+    gets one GPU from Ray and sees it as cuda:0). gpus_per_worker: the share of a GPU each
+    rollout worker's bundle reserves (0 < x <= 1; 0.5 puts 2 workers on one GPU, each with
+    its own engine and KV cache in that GPU's memory; the worker's trainer and colocated actor
+    rank split its bundle as with a whole GPU). dispatch: how whole GRPO groups go to workers:
     balance (the predicted cost, longest first, onto the least loaded), concentrate (the longest
     groups packed together so other workers free up early) or round_robin.
     max_worker_restarts: a rollout worker that dies is replaced this many times in a run; its
@@ -47,6 +50,7 @@ class ClusterConfig:
     address: str | None = None
     worker_threads: int = 1
     worker_device: str | None = None
+    gpus_per_worker: float = 1.0
     dispatch: str = "balance"
     max_worker_restarts: int = 3
     max_actor_restarts: int = 2
@@ -64,6 +68,12 @@ class ClusterConfig:
                  "(the local backend runs one engine)")
         _require(self.worker_threads >= 0, "cluster.worker_threads must be >= 0 (0: torch's "
                  "default)")
+        _require(0 < self.gpus_per_worker <= 1, "cluster.gpus_per_worker must be in (0, 1] "
+                 f"(a worker's engine runs on one GPU; 0.5 puts two on one), got "
+                 f"{self.gpus_per_worker}")
+        _require(self.gpus_per_worker == 1 or self.backend == "ray",
+                 f"cluster.gpus_per_worker={self.gpus_per_worker} shares GPUs among Ray "
+                 "rollout workers: set cluster.backend=ray")
         _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
                  f"{self.dispatch!r}")
         _require(self.push_bucket_mb > 0, "cluster.push_bucket_mb must be > 0")

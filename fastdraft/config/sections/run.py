@@ -67,6 +67,11 @@ class RunConfig:
                  f"cluster.placement=colocated puts actor rank r beside rollout worker r: "
                  f"actor.num_ranks={self.actor.num_ranks} needs cluster.rollout_workers >= "
                  f"{self.actor.num_ranks} (now {self.cluster.rollout_workers})")
+        worker_device = self.cluster.worker_device or self.model.device
+        _require(self.cluster.gpus_per_worker == 1 or worker_device.startswith("cuda"),
+                 f"cluster.gpus_per_worker={self.cluster.gpus_per_worker} shares GPUs, and the "
+                 f"rollout workers run on {worker_device}: set model.device=cuda (or "
+                 "cluster.worker_device=cuda), or leave cluster.gpus_per_worker at 1")
         if self.rollout.backend == "vllm":
             self._check_vllm()
 
