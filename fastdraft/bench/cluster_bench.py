@@ -286,13 +286,34 @@ def _sim_error(run: Run, rows: list[dict[str, float]], steps: list[MeasuredStep]
             "rollout_error": abs(sim_rollout - meas_rollout) / meas_rollout}
 
 
+def run_projections(gpu_json: Path | None, json_path: Path | None = None) -> dict[str, Any]:
+    """`bench cluster --simulate`: the simulator's projections alone, no runs (seconds)."""
+    out = {"projections": _projections(gpu_json)}
+    if json_path is not None:
+        write_json(json_path, out)
+    return out
+
+
+def projection_lines(out: dict[str, Any]) -> list[str]:
+    lines = [f"  projections ({out['projections']['source']}):"]
+    for row in out["projections"]["rows"]:
+        lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "
+                     f"step {row['step_s']:7.1f}s idle {row['idle_fraction']:.2f} speedup vs "
+                     f"plain {row['speedup_vs_plain']:.2f}")
+    return lines
+
+
 def _projections(gpu_json: Path | None) -> dict[str, Any]:
     if gpu_json is not None:
         import json
-        costs = UnitCosts.from_gpu_bench(json.loads(Path(gpu_json).read_text()))
-        source = f"bench gpu JSON {gpu_json} (7B); 32B scaled by parameters (32.8 / 7.6)"
+        # `bench gpu` measures no prefill: the floors' per-token prefill stands in for it.
+        costs = UnitCosts.from_gpu_bench(json.loads(Path(gpu_json).read_text()),
+                                         prefill_token_s=H100_7B.prefill_token_s)
+        source = (f"bench gpu JSON {gpu_json} (7B; prefill per token from the H100 floors); "
+                  "32B scaled by parameters (32.8 / 7.6)")
         big = UnitCosts(**{**costs.__dict__, "step_base_s": costs.step_base_s * 32.8 / 7.6,
-                           "draft_level_s": costs.draft_level_s * 32.8 / 7.6})
+                           "draft_level_s": costs.draft_level_s * 32.8 / 7.6,
+                           "prefill_token_s": costs.prefill_token_s * 32.8 / 7.6})
         models = {"7B": costs, "32B": big}
     else:
         source = "H100 floors at the 7B shape (7.07 ms decode, verify 1.11, draft level 0.044); " \
@@ -339,10 +360,5 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"consolidate_below={out['consolidate_below']}): "
              f"{out['consolidation_rollout_ratio']:.3f}; {out['migrated_per_step']:.1f} "
              f"requests moved per step; idle fraction "
-             f"{out['idle_fraction']['ray_consolidate']:.3f}",
-             f"  projections ({out['projections']['source']}):"]
-    for row in out["projections"]["rows"]:
-        lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "
-                     f"step {row['step_s']:7.1f}s idle {row['idle_fraction']:.2f} speedup vs "
-                     f"plain {row['speedup_vs_plain']:.2f}")
-    return lines
+             f"{out['idle_fraction']['ray_consolidate']:.3f}"]
+    return lines + projection_lines(out)

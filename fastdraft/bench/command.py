@@ -69,6 +69,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=None,
                    help="recipe: two rollout backends side by side instead of speculation off "
                         "/ on, e.g. native,vllm (vllm: from the vLLM venv, scripts/setup-vllm.sh)")
+    p.add_argument("--simulate", action="store_true",
+                   help="cluster: only the simulator's projections (8 / 64 / 256 GPUs, 7B and "
+                        "32B) from --gpu-json or the H100 floors; no runs")
     p.add_argument("--consolidate-below", type=int, default=16,
                    help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
                         "worker's tail of fewer requests moves to a generating worker)")
@@ -81,6 +84,12 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
+    if args.which == "cluster" and args.simulate:
+        from fastdraft.bench.cluster_bench import projection_lines, run_projections
+        print("\n".join(projection_lines(run_projections(args.gpu_json, args.json))))
+        return 0
+    if args.simulate:
+        raise ValueError("--simulate is for `bench cluster` (the cluster simulator)")
     if args.which in ("recipe", "drafter", "rollout", "cluster", "kv"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
