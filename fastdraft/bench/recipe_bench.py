@@ -3,7 +3,11 @@ steps interleaved (off step 0, on step 0, off step 1, ...) so machine drift hits
 With `--backends native,vllm` the arms are the rollout backends instead, both speculating
 (fastdraft's engine, vLLM), plus `vllm_stale`: vLLM with the drafter the run starts from and no
 online training, so the online drafter's accept length inside vLLM has its baseline beside it,
-step by step; the ratios and the law check then compare vllm against native.
+step by step; the ratios and the law check then compare vllm against native. The two runs
+train apart (vLLM's speculative samples depend on the drafter), so each step the stale arm's
+engine also rolls out the online arm's next step on the online arm's policy (same prompts,
+same seeds; `paired_stale`), then gets its own policy back: the online drafter against the
+stale one on one policy, step by step.
 
 Reports the total rollout time ratio (`rollout_time_ratio` = on / off), the step time ratio,
 the rollout share of each, and both reward curves. How the rewards are compared:
@@ -53,23 +57,50 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
         runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *arm]), run_dir,
                          cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    paired: list[float] = []   # the stale drafter on the online run's policy, steps 1..N-1
     for step in range(base.algorithm.num_steps):
         for name, run in runs.items():
             rows[name].append(train_step(run, step))
             print(f"step {step + 1}/{base.algorithm.num_steps} {name}: reward "
                   f"{rows[name][-1]['reward/mean']:.3f} rollout "
                   f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
+        if "vllm_stale" in runs and step + 1 < base.algorithm.num_steps:
+            paired.append(paired_accept(runs["vllm"], runs["vllm_stale"], step + 1))
     ref, other = list(runs)[:2]   # off / on, or native / vllm
     law = law_check(runs, base.rollout.prompts_per_step, law_seeds, ref, other)
     for run in runs.values():
         run.finish()
     samples = base.rollout.prompts_per_step * base.rollout.group_size
     payload = {**_summary(rows, ref, other), "law_check": law, "arms": arms}
+    if paired:
+        online = payload["vllm"]["accept_length"][1:]
+        payload["paired_stale"] = {"accept_length": paired, "online_accept_length": online,
+                                   "online_over_stale": [a / b for a, b in zip(online, paired)],
+                                   "online_above_every_step": all(
+                                       a > b for a, b in zip(online, paired))}
     payload.update(recipe=str(recipe), overrides=overrides, num_steps=base.algorithm.num_steps,
                    samples_per_step=samples, plot=str(_plot(rows, out_dir / "recipe_bench.png")))
     if json_path is not None:
         write_json(json_path, payload)
     return payload
+
+
+def paired_accept(online: Run, stale: Run, step: int) -> float:
+    """The stale run's drafter on the online run's policy: `stale`'s engine serves `online`'s
+    current policy, rolls out `online`'s prompts of `step` with that step's seeds (an
+    evaluation: its drafter trains on none of it), then serves its own policy again, under
+    the same version number (its run goes on as if nothing happened). Its accept length."""
+    version = stale.engine.policy_version
+    stale.engine.load_weights(online.actor.full_parameters(), version=version)
+    try:
+        items = online.prompts.batch(step, online.cfg.rollout.prompts_per_step)
+        completions = rollout(stale, step, [it.ids for it in items], train_drafter=False)
+        group = online.cfg.rollout.group_size
+        rewards = [online.prompts.score(items[i // group], online.decode(c.token_ids))
+                   for i, c in enumerate(completions)]
+        return stale.rollout_metrics(completions, rewards).get("rollout/accept_length", 1.0)
+    finally:
+        stale.engine.load_weights(stale.actor.full_parameters(), version=version)
 
 
 def _arms(method: str, online: bool, backends: list[str] | None) -> dict[str, list[str]]:
@@ -192,6 +223,12 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     if len(out["arms"]) > 2 or ref != "off":
         lines += [f"accept length per step, {name}: " + " ".join(
             f"{a:.2f}" for a in out[name]["accept_length"]) for name in out["arms"]]
+    if "paired_stale" in out:
+        pair = out["paired_stale"]
+        lines.append("accept length on the vllm run's policy, steps 2..N: online " + " ".join(
+            f"{a:.2f}" for a in pair["online_accept_length"]) + "; stale " + " ".join(
+            f"{a:.2f}" for a in pair["accept_length"]) + " (online above every step: "
+            f"{pair['online_above_every_step']})")
     law = out["law_check"]
     if "reward_diff" in law:
         lines.append(f"same policy, {law['num_seeds']} seeds each: reward {other} - {ref} "

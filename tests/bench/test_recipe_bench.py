@@ -6,8 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from fastdraft.bench.recipe_bench import _arms, run_recipe_bench, summary_lines
+from fastdraft.bench.recipe_bench import _arms, paired_accept, run_recipe_bench, summary_lines
+from fastdraft.config import load_recipe
+from fastdraft.rl.loop import train_step
+from fastdraft.rl.run import Run
 
 
 def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):
@@ -50,3 +54,47 @@ def test_a_sharded_actor_is_refused_with_the_override_to_add(tmp_path):
     with pytest.raises(ValueError, match=r"add actor\.num_ranks=1"):
         run_recipe_bench(recipe, [], tmp_path)
 
+
+def test_paired_accept_rolls_out_on_the_online_policy_and_gives_the_stale_run_its_own_back(
+        char_policy, tmp_path):
+    """bench recipe --backends native,vllm's paired evaluation, on two native runs: the stale
+    run's engine serves the online run's policy for one evaluation rollout, then its own again
+    under the same version (its own run is untouched)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\nrollout:\n  prompts_per_step: 2\n"
+                      "  group_size: 4\n  max_new_tokens: 8\n  max_batch_size: 8\n  spec:\n"
+                      "    method: suffix\nalgorithm:\n  num_steps: 2\nlogging:\n  wandb:\n"
+                      "    mode: disabled\n")
+    online = Run(load_recipe(recipe, []), tmp_path / "online")
+    stale = Run(load_recipe(recipe, []), tmp_path / "stale")
+    try:
+        train_step(online, 0)
+        train_step(stale, 0)
+
+        def params(named) -> dict[str, torch.Tensor]:
+            return {k: v.detach().clone().float() for k, v in named}
+        # The online run's policy moved (tiny rewards teach little in one step: moved by hand).
+        moved = {k: v + 0.01 * torch.randn_like(v)
+                 for k, v in params(online.actor.full_parameters()).items()}
+        online.actor.full_parameters = lambda: iter(moved.items())
+        theirs, own = moved, params(stale.actor.full_parameters())
+        assert any(not torch.equal(theirs[k], own[k]) for k in own)   # the policies differ
+        served, real_generate = [], stale.engine.generate
+
+        def generate(*args, **kwargs):
+            served.append(params(stale.engine.model.named_parameters()))
+            return real_generate(*args, **kwargs)
+        stale.engine.generate = generate
+        version = stale.engine.policy_version
+        accept = paired_accept(online, stale, 1)
+        assert accept >= 1.0 and len(served) == 1
+        shared = [k for k in served[0] if k in theirs]
+        assert shared and all(torch.equal(served[0][k], theirs[k]) for k in shared)
+        after = params(stale.engine.model.named_parameters())
+        assert all(torch.equal(after[k], own[k]) for k in shared)   # its own policy back
+        assert stale.engine.policy_version == version
+        del stale.engine.generate
+        assert train_step(stale, 1)["rollout/logprob_diff_max"] < 1e-4   # its gate holds
+    finally:
+        online.finish()
+        stale.finish()
