@@ -123,7 +123,7 @@ def accept_sampled(drafts: DraftBatch, logits: torch.Tensor, st: SamplingTensors
     cand = first_child[:, 0]
     pq = pq_rows[:, 0]
     # Rows of pq kept as p, q -> 0. Filled on the device: a host list would be a copy to the
-    # GPU, which a CUDA graph capture refuses (tests/engine/test_capture_rules.py).
+    # GPU, which a CUDA graph capture refuses (tests/engine/test_static_steps.py counts them).
     keep_p = torch.zeros(1, 2, 1, device=dev)
     keep_p[:, 0] = 1.0
     path = torch.full((batch, max_depth), -1, dtype=torch.long, device=dev)
