@@ -108,6 +108,9 @@ def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy,
                    "cluster.rollout_workers=2", "cluster.drafter_training=data_parallel",
                    "rollout.prompts_per_step=3", "rollout.max_new_tokens=32",
                    "rollout.max_batch_size=4",
+                   # every step publishes a trained drafter (topped up at the step's end): a CI
+                   # dry run under load had a step whose idle window trained nothing
+                   "drafter.online.min_steps_per_step=1",
                    f"drafter.online.source={source}"), tmp_path / "run")
     assert isinstance(run.drafter.worker, TrainerGroup)
     # actor: the workers capture nothing, the update's forward feeds every member
