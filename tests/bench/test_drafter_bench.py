@@ -16,7 +16,10 @@ def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, t
                       "  prompts_per_step: 2\n  group_size: 4\n  max_new_tokens: 8\n"
                       "  max_batch_size: 8\n  spec:\n    method: eagle\n    depth: 3\n"
                       "    topk: 2\n    tokens_to_verify: 4\nalgorithm:\n  num_steps: 2\n")
-    out = run_drafter_bench(recipe, ["actor.lr=1e-3"], tmp_path / "runs", tmp_path / "d.json")
+    # one micro-step at least every step: under load the tail window can train nothing, and the
+    # actor-sourced run's samples only reach its trainer after the first update
+    out = run_drafter_bench(recipe, ["actor.lr=1e-3", "drafter.online.min_steps_per_step=1"],
+                            tmp_path / "runs", tmp_path / "d.json")
     for key in ("packing_speedup", "preemption_latency_s_median", "ckpt_blocking_ratio",
                 "adaptive_accept_length", "stale_accept_length", "adaptive_vs_stale",
                 "reward_kd_accept_length", "actor_source_update_ratio",
