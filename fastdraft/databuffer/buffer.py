@@ -67,12 +67,14 @@ class DataBuffer:
     calls yields the same batches. spill_dir: evicted samples, and all resident ones on `flush`,
     go to safetensors shards there (see spill.py); `DataBuffer.restore` reads them back.
     max_sample_tokens: a longer rollout is added as windows of at most this many tokens (None:
-    only one larger than the capacity is cut, to windows that fit it).
+    only one larger than the capacity is cut, to windows that fit it). window_context: tokens
+    each window but a rollout's first leads with, attended to and not scored (windows.py; at
+    most half a window).
     """
 
     def __init__(self, capacity_bytes: int, offset_mix: float = 0.5, seed: int = 0,
                  spill_dir: str | Path | None = None, *, tail_fraction: float = 0.5,
-                 max_sample_tokens: int | None = None) -> None:
+                 max_sample_tokens: int | None = None, window_context: int = 0) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"DataBuffer capacity_bytes must be >= 1, got {capacity_bytes}")
         if not 0.0 <= offset_mix <= 1.0:
@@ -83,7 +85,9 @@ class DataBuffer:
             raise ValueError(f"DataBuffer max_sample_tokens must be >= 2 (one pair) or None, got "
                              f"{max_sample_tokens}")
         self.capacity_bytes = capacity_bytes
-        self.max_sample_tokens = max_sample_tokens
+        if window_context < 0:
+            raise ValueError(f"DataBuffer window_context must be >= 0, got {window_context}")
+        self.max_sample_tokens, self.window_context = max_sample_tokens, window_context
         self.offset_mix = offset_mix
         self.tail_fraction = tail_fraction
         self._rng = random.Random(seed)
@@ -113,7 +117,8 @@ class DataBuffer:
             raise ValueError(f"sample {sample.key}: a 2-token window of it takes "
                              f"{2 * sample.nbytes // sample.num_tokens} bytes, more than the "
                              f"DataBuffer capacity of {self.capacity_bytes}: raise capacity_bytes")
-        windows = cut_windows(sample, min(limit, self.max_sample_tokens or limit))
+        size = min(limit, self.max_sample_tokens or limit)
+        windows = cut_windows(sample, size, min(self.window_context, size // 2, size - 2))
         with self._lock:
             for window in windows:
                 if window.window_key in self._entries:

@@ -121,6 +121,9 @@ class Sample:
     def with_reward(self, reward: float | None) -> Sample:
         return replace(self, reward=reward)
 
+    def with_loss_mask(self, loss_mask: torch.Tensor) -> Sample:
+        return replace(self, loss_mask=loss_mask)
+
     def truncated(self, num_tokens: int) -> Sample:
         """The first num_tokens tokens (prompt first, so the prompt survives a cut): used when a
         sample is longer than a whole batch's token budget."""

@@ -88,6 +88,7 @@ class OnlineDrafter:
             spot=self.spot, buffer_bytes=int(cfg.buffer_mb * 2**20),
             offset_mix=cfg.offset_mix, seed=self.seed, num_threads=cfg.num_threads,
             max_steps_per_step=cfg.max_steps_per_step, max_sample_tokens=cfg.window_tokens,
+            window_context=cfg.context_tokens,
             state=state), cfg, SpotStats.of_state(state))
 
     # --------------------------------------------------------------- the collector's buffer

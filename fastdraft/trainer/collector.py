@@ -11,8 +11,17 @@ Memory: the records of running requests wait here until their request finishes. 
 that is the whole rollout's hidden states (1024 requests x 1000 tokens x 32 KiB = 32 GB for an
 8B EAGLE-3 policy), so at most `budget_bytes` are held: the collector is the engine's sink with
 a `wants` filter (capture.row_filter), and rows that do not fit are refused before the engine
-copies them to the host, counted in `dropped_tokens`. A request that lost rows has gaps; each
-contiguous run of what was kept becomes a sample of its own (a window, positions kept).
+copies them to the host, counted in `dropped_tokens`.
+
+What is kept under the budget is whole requests, not the rows that happen to fit. A request is
+admitted at its first row (its prefill) while at most ADMIT_SHARE of the budget is held, the
+rest being room for the admitted ones to grow; a request not admitted is not captured at all.
+An admitted request that outgrows the room left is cut there: its rows so far stay one sample,
+nothing after is kept. Keeping whatever rows fit instead filled the budget with every
+request's prompt and first answer tokens and dropped the rest: on the miniature the drafter
+then trained on early answer positions only, and 12 micro-steps on such data lowered its
+accept length (6.12 -> 6.08, answers cut 40 tokens in) where the same steps on whole rollouts
+raised it (-> 6.22-6.24, even on 20-128 of them).
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ from fastdraft.engine import Completion
 from fastdraft.engine.capture import HiddenRecord
 from fastdraft.utils.objects import resolved
 
+#: Share of the budget below which a new request is admitted (the rest: room to grow).
+ADMIT_SHARE = 0.5
+
 
 class SampleCollector:
     """buffer: where samples go (a DataBuffer, or the SpotWorker's producer side).
@@ -46,6 +58,8 @@ class SampleCollector:
         self.rl_step = 0
         self._records: dict[int, list[HiddenRecord]] = defaultdict(list)
         self._dropped: dict[int, int] = defaultdict(int)   # rows refused, per request
+        self._admitted: set[int] = set()   # requests captured (until cut)
+        self._closed: set[int] = set()     # requests refused or cut: no more rows kept
         self._lock = threading.Lock()
         self.held_bytes = self.peak_bytes = 0
         self.num_added = 0
@@ -57,25 +71,42 @@ class SampleCollector:
             self.rl_step = rl_step
             self._records.clear()
             self._dropped.clear()
+            self._admitted.clear()
+            self._closed.clear()
             self.held_bytes = 0
 
     # ------------------------------------------------------------------- the engine's sink
     def wants(self, request_indices: list[int], num_tokens: list[int]) -> list[bool]:
-        """Which of a step's rows fit the budget (in row order; the rest are counted as
-        dropped and never copied). Rows admitted here are handed to __call__ at once."""
+        """Which of a step's rows are kept (in row order; the rest are counted as dropped and
+        never copied). Rows admitted here are handed to __call__ at once."""
         with self._lock:
             if self.budget_bytes is None:
                 return [True] * len(request_indices)
-            free = self.budget_bytes - self.held_bytes
-            out = []
+            held, out = self.held_bytes, []
             for index, n in zip(request_indices, num_tokens):
-                need = n * self.row_bytes
-                out.append(need <= free)
-                if need <= free:
-                    free -= need
+                keep = self._keeps(index, n * self.row_bytes, held)
+                out.append(keep)
+                if keep:
+                    held += n * self.row_bytes
                 else:
                     self._drop(index, n)
             return out
+
+    def _keeps(self, index: int, need: int, held: int) -> bool:
+        """With _lock held: whether a row of `need` bytes of request `index` is kept when
+        `held` bytes are; a refused row closes its request."""
+        assert self.budget_bytes is not None
+        if index in self._closed:
+            return False
+        if index not in self._admitted:   # its first row: admit the request, or never
+            if held + need > ADMIT_SHARE * self.budget_bytes:
+                self._closed.add(index)
+                return False
+            self._admitted.add(index)
+        if held + need > self.budget_bytes:   # cut: what it has so far stays one sample
+            self._closed.add(index)
+            return False
+        return True
 
     def __call__(self, record: HiddenRecord) -> None:
         n = record.positions.shape[0]
@@ -83,8 +114,8 @@ class SampleCollector:
             if not self.row_bytes and n:
                 self.row_bytes = record.nbytes // n
             # The budget holds even for an engine that does not ask `wants` first.
-            if self.budget_bytes is not None and (
-                    self.held_bytes + record.nbytes > self.budget_bytes):
+            if self.budget_bytes is not None and not self._keeps(
+                    record.request_index, record.nbytes, self.held_bytes):
                 self._drop(record.request_index, n)
                 return
             self._records[record.request_index].append(record)
@@ -104,6 +135,8 @@ class SampleCollector:
         with self._lock:
             for index in request_indices:
                 self.held_bytes -= sum(r.nbytes for r in self._records.pop(index, []))
+                self._admitted.discard(index)
+                self._closed.discard(index)
                 self.dropped_tokens -= self._dropped.pop(index, 0)   # counted where it ends
 
     # ------------------------------------------------------------------------- finished

@@ -53,6 +53,7 @@ class TrainerSetup:
     max_steps_per_step: int = 0      # micro-steps per RL step at most (0: no cap)
     state: dict | None = None        # SpotTrainer.state() to continue from
     max_sample_tokens: int | None = None   # longer samples are held as windows (DataBuffer)
+    window_context: int = 0                # unscored tokens leading a window (DataBuffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ class TrainerService:
         torch.set_num_threads(setup.num_threads)
         torch.manual_seed(setup.seed)
         self.buffer = DataBuffer(setup.buffer_bytes, setup.offset_mix, seed=setup.seed,
-                                 max_sample_tokens=setup.max_sample_tokens)
+                                 max_sample_tokens=setup.max_sample_tokens,
+                                 window_context=setup.window_context)
         head = PolicyHead(setup.policy_config, setup.embed, setup.lm_head)
         self.trainer = SpotTrainer(setup.drafter, head, self.buffer, setup.spot)
         if setup.state is not None:

@@ -36,10 +36,20 @@ def test_a_recipe_and_dotted_overrides_build_checked_sections(tmp_path):
     ("- a\n- b\n", None, "must be a mapping"),
     ("actor: [1, 2\n", None, "not valid YAML"),
     ("", "actor.lr", "is not KEY=VALUE"),
+    ("drafter:\n  online:\n    max_sample_tokens: 128\n", "drafter.online.window_context=65",
+     r"window_context must be in \[0, 64\]"),
 ])
 def test_mistakes_name_what_to_change(tmp_path, text, override, message):
     with pytest.raises(ValueError, match=message):
         load_recipe(_write(tmp_path, text), [override] if override else [])
+
+
+def test_windows_lead_with_half_a_window_of_context_at_most_128_by_default(tmp_path):
+    path = _write(tmp_path, "name: t\n")
+    assert load_recipe(path, []).drafter.online.context_tokens == 128   # token_budget 2048
+    small = load_recipe(path, ["drafter.online.token_budget=64"]).drafter.online
+    assert small.context_tokens == 32
+    assert load_recipe(path, ["drafter.online.window_context=0"]).drafter.online.context_tokens == 0
 
 
 def test_a_missing_recipe_file_is_clear(tmp_path):

@@ -4,6 +4,8 @@ restored like any sample."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -28,6 +30,39 @@ def test_a_long_sample_becomes_overlapping_windows_with_its_own_positions() -> N
     targets = [p for w in windows for p in w.positions[1:].tolist()]
     assert sorted(targets) == list(range(1, 25))
     assert len(cut_windows(sample, 25)) == 1 and cut_windows(sample, 25)[0] is sample
+
+
+@pytest.mark.parametrize("context", [1, 4, 8])
+def test_windows_lead_with_unscored_context_and_score_every_pair_once(context: int) -> None:
+    sample = make_sample(3, 40, num_aux=1, prompt_len=4)
+    windows = cut_windows(sample, 10, context)
+
+    def scored(s):   # the positions t whose pair (t, t + 1) a loss trains: both tokens valid
+        m = s.loss_mask
+        return s.positions[:-1][m[:-1] & m[1:]].tolist()
+    pairs = [t for w in windows for t in scored(w)]
+    assert sorted(pairs) == scored(sample)   # each once, none lost, none new
+    assert windows[0].start == 0 and all(w.num_tokens <= 10 for w in windows)
+    for before, w in itertools.pairwise(windows):
+        first = scored(w)[0]
+        assert first == scored(before)[-1] + 1
+        assert w.start == first - context   # led by `context` tokens, unscored
+        assert not w.loss_mask[:context].any() and w.loss_mask[context:].all()
+        cut = slice(w.start, w.start + w.num_tokens)
+        assert torch.equal(w.hidden, sample.hidden[cut])
+        assert torch.equal(w.aux_hidden[0], sample.aux_hidden[0][cut])
+    with pytest.raises(ValueError, match="context"):
+        cut_windows(sample, 10, 9)
+
+
+def test_the_buffer_leads_its_windows_with_context() -> None:
+    buf = DataBuffer(sample_bytes(1000), max_sample_tokens=8, window_context=3)
+    buf.add(make_sample(1, 20))
+    held = buf.samples()
+    assert [(s.start, s.num_tokens) for s in held] == [(0, 8), (4, 8), (8, 8), (12, 8)]
+    assert [int((~s.loss_mask).sum()) for s in held] == [2, 3, 3, 3]   # prompt, then context
+    with pytest.raises(ValueError, match="window_context"):
+        DataBuffer(100, window_context=-1)
 
 
 def test_windows_without_an_answer_token_are_left_out() -> None:

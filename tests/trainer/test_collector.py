@@ -54,29 +54,32 @@ def _completion(index: int, prompt_len: int, total: int) -> Completion:
                       finish_reason="length", policy_version=0)
 
 
-def test_rows_beyond_the_budget_are_refused_and_the_rest_become_windows() -> None:
+def test_whole_requests_are_kept_within_the_budget_not_the_rows_that_fit() -> None:
+    """Budget 12 rows: a request is admitted at its first row while at most half of it is
+    held; one not admitted is not captured at all; an admitted one that outgrows the budget is
+    cut there, its rows so far one sample (never a run after a gap, without its context)."""
     buffer = DataBuffer(2**20)
     collector = SampleCollector(buffer, budget_bytes=12 * ROW, row_bytes=ROW)
-    _emit(collector, [(0, 0, 4), (1, 0, 4)])     # both prefills: 8 rows held
-    for pos in range(4, 9):                     # decode: room for 4 more rows, then none
+    _emit(collector, [(0, 0, 4), (1, 0, 4)])     # 0 admitted (4 <= 6 rows); 1 is not (8 > 6)
+    for pos in range(4, 9):
         _emit(collector, [(0, pos, 1), (1, pos, 1)])
+    _emit(collector, [(2, 0, 3)])                # arrives at 9 rows held: not admitted
+    for pos in range(9, 14):                     # 0 grows to 12 rows, then is cut
+        _emit(collector, [(0, pos, 1), (2, pos - 6, 1)])
         assert collector.held_bytes <= 12 * ROW
-    assert collector.peak_bytes == 12 * ROW and collector.dropped_tokens == 6
-    collector.on_finish(_completion(1, prompt_len=3, total=10))   # positions 0..8
-    for pos in range(9, 14):                    # request 1's bytes are free again
-        _emit(collector, [(0, pos, 1)])
+    collector.on_finish(_completion(1, prompt_len=3, total=10))
+    collector.on_finish(_completion(2, prompt_len=3, total=9))
     collector.on_finish(_completion(0, prompt_len=3, total=15))   # positions 0..13
-    assert collector.held_bytes == 0 and collector.dropped_tokens == 6
-    windows = {(s.request_index, s.start): s for s in buffer.samples()}
-    # request 0 kept 0..5 (prefill + 2 decode rows), lost 6..8, kept 9..13 again
-    assert sorted(windows) == [(0, 0), (0, 9), (1, 0)]
-    for (_, start), s in windows.items():
-        assert s.positions.tolist() == list(range(start, start + s.num_tokens))
-        assert s.hidden[:, 0].tolist() == s.positions.float().tolist()   # its own rows
-        assert s.token_ids.tolist() == s.positions.tolist()   # sequence[t] == t here
-        assert s.loss_mask.tolist() == (s.positions >= 1).tolist()   # first_drafted_pair(3)
-    assert (windows[(0, 0)].num_tokens, windows[(0, 9)].num_tokens,
-            windows[(1, 0)].num_tokens) == (6, 5, 6)
+    assert collector.held_bytes == 0 and collector.peak_bytes == 12 * ROW
+    assert collector.dropped_tokens == 9 + 8 + 2   # all of 1 and of 2, 0's positions 12, 13
+    (sample,) = buffer.samples()
+    assert (sample.request_index, sample.start, sample.num_tokens) == (0, 0, 12)
+    assert sample.hidden[:, 0].tolist() == sample.positions.float().tolist()   # its own rows
+    assert sample.token_ids.tolist() == sample.positions.tolist()   # sequence[t] == t here
+    assert sample.loss_mask.tolist() == (sample.positions >= 1).tolist()   # first_drafted_pair
+    _emit(collector, [(3, 0, 4)])                # the budget is free again: admitted
+    collector.on_finish(_completion(3, prompt_len=3, total=5))
+    assert [s.request_index for s in buffer.samples()] == [0, 3]
 
 
 def test_a_step_that_lost_rows_without_saying_so_is_an_error() -> None:
@@ -113,3 +116,4 @@ def test_in_an_engine_the_budget_holds_and_kept_states_are_exact(tiny_checkpoint
         aux = [torch.cat([r.aux[i] for r in every[s.request_index]]) for i in range(2)]
         assert torch.equal(s.hidden, final[s.positions])
         assert all(torch.equal(a, b[s.positions]) for a, b in zip(s.aux_hidden, aux))
+

@@ -37,8 +37,13 @@ class OnlineDrafterConfig:
     max_sample_tokens: a finished rollout longer than this is cut into windows of at most this
     many tokens (contiguous positions, each a DataBuffer sample of its own) instead of being
     refused or trained on its first tokens only; None: token_budget (at most token_budget).
-    inflight_mb: hidden states of still-running requests held at most (MiB); positions beyond
-    it are not captured (counted in drafter/dropped_tokens).
+    window_context: tokens each window after a rollout's first leads with, attended to but
+    not scored, so no pair is trained without the context it has at inference
+    (databuffer/windows.py); None: min(128, half a window); at most half a window.
+    inflight_mb: hidden states of still-running requests held at most (MiB): whole requests
+    are captured, each admitted at its prefill while half of it is free, cut where it
+    outgrows the rest; what is not captured is counted in drafter/dropped_tokens
+    (trainer/collector.py).
     inbox_samples: samples queued for the trainer process at most; one more is dropped
     (counted in drafter/inbox_dropped), so a slow trainer never grows the queue.
 
@@ -66,6 +71,7 @@ class OnlineDrafterConfig:
     refresh_drop: float = 0.3
     device: str | None = None
     max_sample_tokens: int | None = None
+    window_context: int | None = None
     inflight_mb: float = 4096.0
     inbox_samples: int = 256
     reply_timeout_s: float = 120.0
@@ -97,6 +103,11 @@ class OnlineDrafterConfig:
                  f"drafter.online.max_sample_tokens must be in [2, token_budget="
                  f"{self.token_budget}] (a longer window would be cut to token_budget anyway) or "
                  f"null, got {self.max_sample_tokens}")
+        _require(self.window_context is None
+                 or 0 <= self.window_context <= self.window_tokens // 2,
+                 f"drafter.online.window_context must be in [0, {self.window_tokens // 2}] (half "
+                 f"a window of {self.window_tokens} tokens: the rest is what a window scores) or "
+                 f"null, got {self.window_context}")
         _require(self.inflight_mb > 0 and self.inbox_samples >= 1,
                  "drafter.online: inflight_mb must be > 0 and inbox_samples >= 1")
         _require(self.reply_timeout_s > 0 and self.max_restarts >= 0 and self.reprobe_every >= 0,
@@ -107,6 +118,13 @@ class OnlineDrafterConfig:
     def window_tokens(self) -> int:
         """The longest DataBuffer sample (max_sample_tokens, or token_budget)."""
         return self.max_sample_tokens or self.token_budget
+
+    @property
+    def context_tokens(self) -> int:
+        """Unscored tokens leading a window (window_context, or min(128, half a window))."""
+        if self.window_context is not None:
+            return self.window_context
+        return min(128, self.window_tokens // 2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
