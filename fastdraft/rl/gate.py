@@ -148,7 +148,8 @@ def _diff_message(diff: torch.Tensor, mask: torch.Tensor, actor: torch.Tensor,
     row, col = divmod(int(diff.argmax()), mask.shape[1])
     answer_pos = int(mask[row, :col].sum())        # the token's index within its answer
     return (f"lossless gate: {what} |logprob diff| is {value:.3g} (> {limit:g}) over {count} "
-            f"tokens; the worst token, sample {row}'s answer token {answer_pos} (column {col}): "
+            f"tokens; the worst token, sample {row}'s answer token {answer_pos} of "
+            f"{int(mask[row].sum())} (column {col}): "
             f"the engine's logprob {float(engine[row, col]):.4f} differs from the actor's "
             f"{float(actor[row, col]):.4f} by {float(diff[row, col]):.3g}: the rollout was not "
             "sampled from the policy being trained. Check the weight push "

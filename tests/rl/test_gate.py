@@ -90,7 +90,7 @@ def test_one_gross_diff_trips_the_fail_fast_max_and_names_the_token():
         check_gate(TokenStats(engine + noise), engine, mask, BF16)
     text = str(err.value)
     assert "its largest per-token |logprob diff| is 6" in text
-    assert "sample 7's answer token 25 (column 45)" in text    # answer starts at column 20
+    assert "sample 7's answer token 25 of 480 (column 45)" in text   # answer: columns 20-499
     assert "differs from the actor's" in text and "rollout.spec.method=none" in text
     actor = engine + noise * 1e-3              # fp32 rounding: far below a bf16 run's
     actor[7, 45] = engine[7, 45] + 0.5         # in fp32 half a nat is no rounding either
