@@ -103,10 +103,12 @@ def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy,
     from tests.rl.test_loop import _cfg
     # Three groups on two workers at a batch of one group: one worker runs two waves, the
     # other idles for a whole wave, long enough for a round to form and train (with two
-    # groups each, the idle window was a few decode steps and on a fast machine often none).
+    # groups each, the idle window was a few decode steps and on a fast machine often none;
+    # with 32-token answers a CI dry run under load still had the actor-sourced run's two idle
+    # waves train nothing, so the answers are 64 tokens).
     run = Run(_cfg(char_policy, *ONLINE, f"drafter.path={char_drafter}", "cluster.backend=ray",
                    "cluster.rollout_workers=2", "cluster.drafter_training=data_parallel",
-                   "rollout.prompts_per_step=3", "rollout.max_new_tokens=32",
+                   "rollout.prompts_per_step=3", "rollout.max_new_tokens=64",
                    "rollout.max_batch_size=4",
                    # every step publishes a trained drafter (topped up at the step's end): a CI
                    # dry run under load had a step whose idle window trained nothing
