@@ -26,7 +26,6 @@ raised it (-> 6.22-6.24, even on 20-128 of them).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import defaultdict
 from typing import Any
@@ -150,28 +149,23 @@ class SampleCollector:
         sequence = completion.prompt_token_ids + completion.token_ids
         num = len(sequence) - 1
         positions = torch.cat([r.positions for r in records])
-        if len(positions) + dropped != num or not _increasing_within(positions, num):
+        kept = len(positions)   # a prefix: a request is captured from its first row until cut
+        if kept + dropped != num or not torch.equal(positions, torch.arange(kept)):
             raise RuntimeError(f"request {completion.index}: hidden-state records cover "
-                               f"positions {positions[:3].tolist()}.. ({len(positions)} kept, "
+                               f"positions {positions[:3].tolist()}.. ({kept} kept, "
                                f"{dropped} dropped) of a {len(sequence)}-token sequence: the "
                                "engine's capture lost a step")
-        final = torch.cat([r.final for r in records])
-        aux = [torch.cat([r.aux[i] for r in records]) for i in range(len(records[0].aux))]
-        first_scored = first_drafted_pair(len(completion.prompt_token_ids))
-        for begin, end in _runs(positions):
-            if end - begin < 2:
-                with self._lock:
-                    self.dropped_tokens += end - begin   # no (hidden t, token t + 1) pair
-                continue
-            at = positions[begin:end]
-            loss_mask = at >= first_scored
-            if not loss_mask.any():
-                continue   # prompt only: nothing the drafter drafts
-            self.buffer.add(Sample(
-                request_index=completion.index, policy_version=records[0].policy_version,
-                rl_step=self.rl_step, token_ids=torch.tensor(sequence)[at], positions=at,
-                hidden=final[begin:end], loss_mask=loss_mask,
-                aux_hidden=tuple(a[begin:end] for a in aux)))
+        loss_mask = positions >= first_drafted_pair(len(completion.prompt_token_ids))
+        if kept < 2 or not loss_mask.any():
+            with self._lock:   # no (hidden t, token t + 1) pair, or prompt only: nothing drafted
+                self.dropped_tokens += kept
+            return
+        self.buffer.add(Sample(
+            request_index=completion.index, policy_version=records[0].policy_version,
+            rl_step=self.rl_step, token_ids=torch.tensor(sequence[:kept]), positions=positions,
+            hidden=torch.cat([r.final for r in records]), loss_mask=loss_mask,
+            aux_hidden=tuple(torch.cat([r.aux[i] for r in records])
+                             for i in range(len(records[0].aux)))))
         self.num_added += 1
 
     def add_remote(self, samples: list[Sample] | Any, requests: int, dropped_tokens: int,
@@ -196,14 +190,3 @@ class SampleCollector:
         for index, reward in enumerate(rewards):
             self.buffer.set_reward((self.rl_step, index), reward)
 
-
-def _increasing_within(positions: torch.Tensor, num: int) -> bool:
-    increasing = bool((positions[1:] > positions[:-1]).all())
-    return increasing and int(positions[0]) >= 0 and int(positions[-1]) < num
-
-
-def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """[begin, end) index ranges of the contiguous runs of increasing positions."""
-    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, len(positions)]
-    return list(itertools.pairwise(bounds))
