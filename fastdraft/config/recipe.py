@@ -25,7 +25,7 @@ REMOVED_KEYS = {
     "actor.mixed_precision": "use actor.compute_dtype: bfloat16 | float16 | float32 (the "
                              "actor always keeps fp32 master weights)",
     "algorithm.logprob_tolerance": "the lossless gate's limits are the algorithm.gate section "
-                                   "(mean_tolerance, quantile_tolerance, max_tolerance, "
+                                   "(mean_tolerance, quantile_tolerance, max_tolerance, max_share, "
                                    "law_z_threshold; unset: from model.dtype and "
                                    "actor.compute_dtype)",
 }

@@ -42,6 +42,11 @@ def test_the_recipe_section_overrides_what_it_sets():
         load_recipe(None, ["algorithm.gate.quantile=1.0"])
     with pytest.raises(ValueError, match=r"algorithm\.gate\.mean_tolerance must be > 0"):
         load_recipe(None, ["algorithm.gate.mean_tolerance=0"])
+    with pytest.raises(ValueError, match=r"algorithm\.gate\.max_share must be in \[0, 1\)"):
+        load_recipe(None, ["algorithm.gate.max_share=1.5"])
+    cfg = load_recipe(None, ["algorithm.gate.max_share=0.01", "model.dtype=bfloat16"])
+    assert GateTolerance.for_dtypes("bfloat16", "float32", cfg.algorithm.gate).max_share == 0.01
+    assert BF16.max_share == 1e-3 and FP32.max_share == 0.0
 
 
 def test_the_removed_tolerance_key_names_the_gate_section():
@@ -83,20 +88,45 @@ def test_a_heavy_tail_trips_the_quantile():
         check_gate(TokenStats(engine + noise), engine, mask, BF16)
 
 
-def test_one_gross_diff_trips_the_fail_fast_max_and_names_the_token():
+def test_one_gross_diff_fails_fp32_and_fp16_and_names_the_token():
     engine, mask, noise = _rollout()
+    noise *= 1e-3                              # fp32 rounding
     noise[7, 45] = 6.0                         # a wrong tensor: nats, on one token
-    with pytest.raises(LosslessGateError) as err:
-        check_gate(TokenStats(engine + noise), engine, mask, BF16)
-    text = str(err.value)
-    assert "its largest per-token |logprob diff| is 6" in text
-    assert "sample 7's answer token 25 of 480 (column 45)" in text   # answer: columns 20-499
-    assert "differs from the actor's" in text and "rollout.spec.method=none" in text
-    actor = engine + noise * 1e-3              # fp32 rounding: far below a bf16 run's
-    actor[7, 45] = engine[7, 45] + 0.5         # in fp32 half a nat is no rounding either
-    assert check_gate(TokenStats(actor), engine, mask, BF16)["rollout/logprob_diff_max"] > 0.4
+    fp16 = GateTolerance.for_dtypes("float16", "float16")
+    for tolerance in (FP32, fp16):
+        with pytest.raises(LosslessGateError) as err:
+            check_gate(TokenStats(engine + noise), engine, mask, tolerance)
+        text = str(err.value)
+        assert "its largest per-token |logprob diff| is 6 (> " in text
+        assert "1 of them exceed" in text and "none may" in text
+        assert "sample 7's answer token 25 of 480 (column 45)" in text  # answer: columns 20-499
+        assert "differs from the actor's" in text and "rollout.spec.method=none" in text
+    noise[7, 45] = 0.5                         # in fp32 half a nat is no rounding either
+    assert check_gate(TokenStats(engine + noise), engine, mask, BF16)[
+        "rollout/logprob_diff_max"] > 0.4
     with pytest.raises(LosslessGateError, match="largest per-token"):
-        check_gate(TokenStats(actor), engine, mask, FP32)
+        check_gate(TokenStats(engine + noise), engine, mask, FP32)
+
+
+def test_bf16_passes_isolated_rounding_outliers_of_nats_and_fails_a_share_of_them():
+    """A policy sharpened by RL, the same weights in bf16 and fp32, differs by up to 8 nats at
+    ~3 in 10k tokens (rl/gate.py): a bf16 gate that failed one such token stopped a healthy run.
+    More than max_share of the tokens beyond max is no rounding."""
+    engine, mask, noise = _rollout()           # 96k answer tokens
+    answers = mask.view(-1).nonzero()[:, 0]
+    spots = answers[torch.randperm(len(answers), generator=torch.Generator().manual_seed(2))]
+    noise.view(-1)[spots[:30]] = 6.0           # 3 in 10k, as measured
+    metrics = check_gate(TokenStats(engine + noise), engine, mask, BF16)
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(6.0)
+    assert metrics["rollout/logprob_diff_beyond_max"] == 30
+    noise.view(-1)[spots[:200]] = 6.0          # 2 in 1000: beyond the 1e-3 share
+    with pytest.raises(LosslessGateError, match=r"200 of them exceed 4 nats, at most a share "
+                                                r"of 0\.001 may"):
+        check_gate(TokenStats(engine + noise), engine, mask, BF16)
+    strict = GateTolerance.for_dtypes("bfloat16", "bfloat16", GateSection(max_share=0.0))
+    noise.view(-1)[spots[1:200]] = 0.0
+    with pytest.raises(LosslessGateError, match="1 of them exceed 4 nats, none may"):
+        check_gate(TokenStats(engine + noise), engine, mask, strict)
 
 
 def test_a_non_finite_sequence_is_left_out_and_counted_an_all_non_finite_batch_fails():

@@ -22,16 +22,19 @@ from fastdraft.rl.policy_loss import (
 class GateSection:
     """algorithm.gate: the lossless gate (rl/gate.py), checked every step before any weight
     moves. Limits on |actor - engine| logprob per sampled token: mean_tolerance (their mean),
-    quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (fail-fast, one
-    gross token); None: from the coarser of model.dtype and actor.compute_dtype (rl/gate.py
-    DTYPE_TOLERANCE). law_z_threshold: |z| of the law statistic beyond which the rollout counts
-    as not sampled from the policy (6: a false alarm ~2e-9 a step; None: no law check), judged
-    from law_min_tokens sampled tokens on."""
+    quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (a gross token) and
+    max_share (the share of tokens that may exceed it: 0 in fp32 and fp16, where one gross token
+    fails; 1e-3 in bf16, whose rounding reaches nats at rare tokens); None: from the coarser of
+    model.dtype and actor.compute_dtype (rl/gate.py DTYPE_TOLERANCE). law_z_threshold: |z| of
+    the law statistic beyond which the rollout counts as not sampled from the policy (6: a
+    false alarm ~2e-9 a step; None: no law check), judged from law_min_tokens sampled
+    tokens on."""
 
     mean_tolerance: float | None = None
     quantile: float = 0.99
     quantile_tolerance: float | None = None
     max_tolerance: float | None = None
+    max_share: float | None = None
     law_z_threshold: float | None = 6.0
     law_min_tokens: int = 128
 
@@ -43,6 +46,8 @@ class GateSection:
                      f", got {value}")
         _require(0.5 <= self.quantile < 1, f"algorithm.gate.quantile must be in [0.5, 1) (a "
                  f"high quantile, e.g. 0.99; the max has its own limit), got {self.quantile}")
+        _require(self.max_share is None or 0 <= self.max_share < 1, "algorithm.gate.max_share "
+                 f"must be in [0, 1) or null (null: from the dtypes), got {self.max_share}")
         _require(self.law_min_tokens >= 1, "algorithm.gate.law_min_tokens must be >= 1")
 
 
