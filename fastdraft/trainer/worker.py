@@ -45,6 +45,7 @@ from fastdraft.trainer.service import (
     policy_head_tensors,
 )
 from fastdraft.trainer.spot import Published, SpotStats
+from fastdraft.utils.objects import resolved
 from fastdraft.utils.process import become_helper
 
 #: CUDA maps any larger number to its lowest stream priority.
@@ -199,6 +200,21 @@ class SpotWorker(TrainerHandle):
             self.inbox_dropped += 1
             return
         self._put("add", *_encode_sample(sample))
+
+    def add_many(self, samples: list[Sample] | Any) -> None:
+        """A batch at once (the actor's forward over a step's rollout: drafter.online.source=
+        actor) outruns the process's draining without the trainer being behind, which is what
+        add()'s drop guards against: each sample waits for room, the batch at most
+        reply_timeout_s in all (the process drains its inbox before every micro-step); what
+        still finds none is dropped and counted. (Dropping the burst's tail lost ~40% of every
+        step's samples, always the last requests', with the miniature's 64-sample inbox.)"""
+        deadline = time.monotonic() + self.reply_timeout_s
+        for sample in resolved(samples):
+            if self._slots is not None and not (self.alive and self._slots.acquire(
+                    timeout=max(0.0, deadline - time.monotonic()))):
+                self.inbox_dropped += 1
+                continue
+            self._put("add", *_encode_sample(sample))
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self._put("set_reward", key, reward)

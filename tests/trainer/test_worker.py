@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +53,32 @@ def test_the_inbox_holds_at_most_its_bound_and_counts_what_it_drops(tiny_checkpo
         for s in _samples(policy, 3, step=1):     # drained: room for 3 again, whatever the
             worker.add(s)                         # worker has consumed meanwhile
         assert worker.inbox_dropped == 7
+    finally:
+        worker.close()
+
+
+def test_a_batch_waits_for_room_in_the_inbox_and_gives_up_at_the_timeout(tiny_checkpoint):
+    """The actor's samples of a step arrive at once: they wait for the trainer to drain the
+    inbox (add() would drop all but its bound), and the wait ends at the reply timeout."""
+    policy, worker = _worker(tiny_checkpoint, timeout_s=2.0, inbox=3)
+    try:
+        worker.publish()                          # up and serving
+        pid = worker.process.pid
+        _stop(pid)                                # reads nothing until resumed
+        resume = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        samples = _samples(policy, 10)
+        worker.add_many(samples)                  # 3 at once, the rest as room frees
+        resume.join()
+        assert worker.inbox_dropped == 0
+        worker.publish()
+        assert worker.buffer_bytes == sum(s.nbytes for s in samples)
+        _stop(pid)                                # never resumed within the timeout
+        start = time.monotonic()
+        worker.add_many(_samples(policy, 10, step=1))
+        assert worker.inbox_dropped == 7          # 3 queued; the rest waited 2 s in all
+        assert 1.5 < time.monotonic() - start < 10
+        os.kill(pid, signal.SIGCONT)
     finally:
         worker.close()
 
