@@ -125,12 +125,12 @@ def check_gate(actor: TokenStats, engine_logprobs: torch.Tensor, mask: torch.Ten
             metrics["rollout/logprob_diff_max"], tolerance.max, count,
             f"{beyond} of them exceed {tolerance.max:g} nats, {allowed}"))
     for name, limit, what in (
-            ("rollout/logprob_diff_mean", tolerance.mean, "the mean per-token"),
-            (q_name, tolerance.quantile_diff, f"the {tolerance.quantile:g} quantile of the")):
+            ("rollout/logprob_diff_mean", tolerance.mean, "the mean per-token |logprob diff|"),
+            (q_name, tolerance.quantile_diff,
+             f"the {tolerance.quantile:g} quantile of the |logprob diff|")):
         if metrics[name] > limit:
-            raise LosslessGateError(_diff_message(diff, mask, actor_lp, engine_lp,
-                                                  f"{what} |logprob diff|", metrics[name],
-                                                  limit, count))
+            raise LosslessGateError(_diff_message(diff, mask, actor_lp, engine_lp, what,
+                                                  metrics[name], limit, count))
     if actor.entropy is not None and tolerance.law_z is not None:
         law = law_statistic(actor, keep)
         metrics.update({"rollout/law_z": law.z, "rollout/law_tokens": float(law.tokens),

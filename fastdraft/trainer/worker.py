@@ -195,11 +195,7 @@ class SpotWorker(TrainerHandle):
 
     # producer side (what SampleCollector calls)
     def add(self, sample: Sample) -> None:
-        if self._slots is not None and not self._slots.acquire(block=False):
-            # The trainer is behind (or gone): drop, never queue without bound.
-            self.inbox_dropped += 1
-            return
-        self._put("add", *_encode_sample(sample))
+        self._enqueue(sample, wait_s=0.0)   # the trainer behind (or gone): drop, never pile up
 
     def add_many(self, samples: list[Sample] | Any) -> None:
         """A batch at once (the actor's forward over a step's rollout: drafter.online.source=
@@ -210,11 +206,14 @@ class SpotWorker(TrainerHandle):
         step's samples, always the last requests', with the miniature's 64-sample inbox.)"""
         deadline = time.monotonic() + self.reply_timeout_s
         for sample in resolved(samples):
-            if self._slots is not None and not (self.alive and self._slots.acquire(
-                    timeout=max(0.0, deadline - time.monotonic()))):
-                self.inbox_dropped += 1
-                continue
-            self._put("add", *_encode_sample(sample))
+            self._enqueue(sample, wait_s=max(0.0, deadline - time.monotonic()))
+
+    def _enqueue(self, sample: Sample, wait_s: float) -> None:
+        """Into the inbox if a place frees within wait_s, else dropped and counted."""
+        if self._slots is not None and not (self.alive and self._slots.acquire(timeout=wait_s)):
+            self.inbox_dropped += 1
+            return
+        self._put("add", *_encode_sample(sample))
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self._put("set_reward", key, reward)
