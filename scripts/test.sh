@@ -14,7 +14,7 @@ VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 SETUP_PID=
 if [ $# -eq 0 ] && [ -z "${FASTDRAFT_SKIP_VLLM:-}" ] && [ ! -x "$VLLM_VENV/bin/vllm" ]; then
     echo "test.sh: setting up $VLLM_VENV in the background (log: $VLLM_VENV.setup.log)"
-    bash scripts/setup-vllm.sh > "$VLLM_VENV.setup.log" 2>&1 &
+    nice -n 19 bash scripts/setup-vllm.sh > "$VLLM_VENV.setup.log" 2>&1 &
     SETUP_PID=$!
 fi
 if [ $# -eq 0 ]; then

@@ -56,7 +56,8 @@ class OnlineDrafter:
         self.loss = online_loss(cfg.loss, drafter.kind)
         self.start_trainer = start_trainer or _spot_worker
         self.device = cfg.device or device or str(next(engine.model.parameters()).device)
-        self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, token_budget=cfg.token_budget,
+        self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps,
+                               token_budget=cfg.token_budget,
                                device=self.device)   # checked here: a bad device fails now
         self.spec = engine.spec   # what a re-probe switches back on after a fallback
         self.health = DrafterHealth()

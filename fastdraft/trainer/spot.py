@@ -34,10 +34,16 @@ from fastdraft.utils.digest import tensor_digest
 class SpotConfig:
     """loss: a registered drafter loss (trainer/losses.py); token_budget: tokens per packed
     micro-batch; num_steps: unrolled steps of the loss (None: the drafter kind's default);
-    device: where the drafter trains (cpu, cuda, cuda:N)."""
+    device: where the drafter trains (cpu, cuda, cuda:N).
+    lr_warmup_steps: the learning rate rises linearly to ``lr`` over this many micro-steps
+    (0: ``lr`` from the first). The trainer starts from a converged drafter with a fresh
+    AdamW, whose first updates move every weight by about ``lr`` whatever its gradient
+    (``m / sqrt(v)`` of one gradient is its sign): at full ``lr`` that step costs the
+    warmed-up drafter acceptance before the new data can pay for it."""
 
     loss: str = "eagle1"
     lr: float = 3e-4
+    lr_warmup_steps: int = 0
     token_budget: int = 2048
     grad_clip: float = 1.0
     num_steps: int | None = None
@@ -47,6 +53,15 @@ class SpotConfig:
         if self.lr <= 0 or self.token_budget < 2 or self.grad_clip <= 0:
             raise ValueError("drafter online training: lr and grad_clip must be > 0 and "
                              "token_budget >= 2")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"drafter online training: lr_warmup_steps must be >= 0, got "
+                             f"{self.lr_warmup_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of micro-step ``step`` (0-based, counted over the whole run)."""
+        if step >= self.lr_warmup_steps:
+            return self.lr
+        return self.lr * (step + 1) / self.lr_warmup_steps
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"drafter online training on {self.device!r}, but this machine "
                              "has no CUDA device: set drafter.online.device=cpu")
@@ -170,6 +185,8 @@ class SpotTrainer:
             if reduce is not None and not reduce(self.trainable(), tokens):
                 return False
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.lr_at(self.stats.steps)
             self.optimizer.step()
         self.stats.steps += 1
         self.stats.tokens += tokens

@@ -195,3 +195,42 @@ def test_an_fp32_drafter_trains_on_a_bf16_served_policy(tiny_checkpoint):
     assert all(p.dtype == torch.float32 for p in trainer.drafter.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.drafter.parameters()))
     assert torch.isfinite(torch.tensor(trainer.stats.last["loss"]))
+
+
+def test_the_learning_rate_warms_up_over_micro_steps_and_a_resumed_trainer_keeps_the_ramp(
+        tiny_checkpoint):
+    """A fresh AdamW's first step moves every weight by ~lr (one gradient's m / sqrt(v) is its
+    sign): with lr_warmup_steps it moves them by lr / warmup instead, reaching lr at the
+    warmup's last micro-step; the ramp counts the run's micro-steps, so a trainer resumed
+    from its state goes on where it stopped rather than warming up again."""
+    policy, drafter = _setup(tiny_checkpoint)
+    lr = 1e-2
+
+    def trainer(d, warmup: int) -> SpotTrainer:
+        buffer = DataBuffer(2**24, seed=0)
+        for s in _samples(policy, 16):
+            buffer.add(s)
+        return SpotTrainer(d, PolicyHead.of(policy), buffer,
+                           SpotConfig(token_budget=48, lr=lr, lr_warmup_steps=warmup))
+
+    def first_move(warmup: int) -> float:
+        t = trainer(build_drafter("eagle1", policy.config, 128), warmup)
+        before = [p.detach().clone() for p in t.drafter.parameters()]
+        assert t.step()
+        return max((p - b).abs().max().item() for p, b in zip(t.drafter.parameters(), before))
+    torch.manual_seed(0)
+    assert abs(first_move(0) - lr) < 1e-3 * lr
+    torch.manual_seed(0)
+    assert abs(first_move(4) - lr / 4) < 1e-3 * lr
+
+    ramp = trainer(drafter, 4)
+    lrs = []
+    for _ in range(2):
+        ramp.step()
+        lrs.append(ramp.optimizer.param_groups[0]["lr"])
+    resumed = trainer(build_drafter("eagle1", policy.config, 128), 4)
+    resumed.load_state(ramp.state())
+    for _ in range(3):
+        resumed.step()
+        lrs.append(resumed.optimizer.param_groups[0]["lr"])
+    assert lrs == [lr * k / 4 for k in (1, 2, 3, 4, 4)]

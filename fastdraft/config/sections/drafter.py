@@ -14,7 +14,9 @@ class OnlineDrafterConfig:
 
     loss: eagle1 | eagle3 | reward_kd (trainer/losses.py); None (the default): the drafter
     kind's own loss (eagle1 for an EAGLE-1 drafter, eagle3 for EAGLE-3); reward_kd trains both
-    kinds. lr; token_budget: tokens per packed micro-batch; buffer_mb: the DataBuffer's
+    kinds. lr; lr_warmup_steps: micro-steps over which the learning rate rises linearly to lr
+    (a fresh AdamW's first steps move every weight of the warmed-up drafter by ~lr; 0: lr
+    from the first); token_budget: tokens per packed micro-batch; buffer_mb: the DataBuffer's
     capacity; offset_mix: share of each micro-batch given to the previous step's longest
     samples; tail_fraction: the trainer starts once fewer than this share of the rollout's
     requests still run; during_update: it also trains while the actor updates;
@@ -58,6 +60,7 @@ class OnlineDrafterConfig:
     enabled: bool = False
     loss: str | None = None
     lr: float = 3e-4
+    lr_warmup_steps: int = 0
     token_budget: int = 2048
     buffer_mb: float = 256.0
     offset_mix: float = 0.5
@@ -86,6 +89,8 @@ class OnlineDrafterConfig:
         _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
         _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
                  "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
+        _require(self.lr_warmup_steps >= 0,
+                 f"drafter.online.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _require(self.num_threads >= 1 and self.max_steps_per_step >= 0
                  and self.min_steps_per_step >= 0,
                  "drafter.online: num_threads must be >= 1, max_steps_per_step and "
