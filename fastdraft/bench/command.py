@@ -69,6 +69,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=None,
                    help="recipe: two rollout backends side by side instead of speculation off "
                         "/ on, e.g. native,vllm (vllm: from the vLLM venv, scripts/setup-vllm.sh)")
+    p.add_argument("--paired-seeds", type=int, default=4,
+                   help="recipe --backends native,vllm: seed sets each drafter (online, stale) "
+                        "rolls out on the online run's policy every step besides the step's "
+                        "own (one rollout's accept length is within a few percent only)")
     p.add_argument("--simulate", action="store_true",
                    help="cluster: only the simulator's projections (8 / 64 / 256 GPUs, 7B and "
                         "32B) from --gpu-json or the H100 floors; no runs")
@@ -144,7 +148,8 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
              {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below,
               "seeds": args.seeds}
              if args.which == "cluster" else
-             {"backends": args.backends.split(",") if args.backends else None}
+             {"backends": args.backends.split(",") if args.backends else None,
+              "paired_seeds": args.paired_seeds}
              if args.which == "recipe" else {})
     out = run(recipe, overrides, args.out_dir or Path(f"runs/bench-{args.which}"),
               args.json, args.cache_dir, **extra)

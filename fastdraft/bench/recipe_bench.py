@@ -7,7 +7,10 @@ step by step; the ratios and the law check then compare vllm against native. The
 train apart (vLLM's speculative samples depend on the drafter), so each step the stale arm's
 engine also rolls out the online arm's next step on the online arm's policy (same prompts,
 same seeds; `paired_stale`), then gets its own policy back: the online drafter against the
-stale one on one policy, step by step.
+stale one on one policy, step by step. One rollout of 256 samples puts a drafter's accept
+length within a few percent (which answers were drawn moves it as much as the drafter does),
+so both drafters also roll out `paired_seeds` more seed sets of the step's prompts on that
+policy (seeds no training step draws from), and the step's comparison is over all of them.
 
 Reports the total rollout time ratio (`rollout_time_ratio` = on / off), the step time ratio,
 the rollout share of each, and both reward curves. How the rewards are compared:
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,8 @@ from fastdraft.rl.run import Run
 
 def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
                      json_path: Path | None = None, cache_dir: Path | None = None,
-                     law_seeds: int = 8, backends: list[str] | None = None) -> dict[str, Any]:
+                     law_seeds: int = 8, backends: list[str] | None = None,
+                     paired_seeds: int = 4) -> dict[str, Any]:
     base = load_recipe(recipe, overrides)
     if not base.rollout.spec.enabled:
         raise ValueError(f"{recipe} does not speculate (rollout.spec.method=none): nothing to "
@@ -48,6 +53,8 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
         raise ValueError(f"bench recipe runs its arms' actors in one process: a sharded actor "
                          f"(actor.num_ranks={base.actor.num_ranks}) cannot be one of several "
                          f"there; add actor.num_ranks=1 (what is compared is the rollout)")
+    if paired_seeds < 0:
+        raise ValueError(f"--paired-seeds must be >= 0, got {paired_seeds}")
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false"]
     arms = _arms(base.rollout.spec.method, base.drafter.online.enabled, backends)
     runs: dict[str, Run] = {}
@@ -57,27 +64,31 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
         runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *arm]), run_dir,
                          cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
-    paired: list[float] = []   # the stale drafter on the online run's policy, steps 1..N-1
-    for step in range(base.algorithm.num_steps):
+    # On the online run's policy, steps 1..N-1: each drafter's accept length per seed set
+    paired: dict[str, list[list[float]]] = {"stale": [], "online": []}
+    num_steps = base.algorithm.num_steps
+    for step in range(num_steps):
         for name, run in runs.items():
             rows[name].append(train_step(run, step))
-            print(f"step {step + 1}/{base.algorithm.num_steps} {name}: reward "
+            print(f"step {step + 1}/{num_steps} {name}: reward "
                   f"{rows[name][-1]['reward/mean']:.3f} rollout "
                   f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
-        if "vllm_stale" in runs and step + 1 < base.algorithm.num_steps:
-            paired.append(paired_accept(runs["vllm"], runs["vllm_stale"], step + 1))
+        if "vllm_stale" in runs and step + 1 < num_steps:
+            # past the law check's seeds (num_steps + i): seeds no training step drew from
+            extra = [num_steps + law_seeds + (step + 1) * paired_seeds + i
+                     for i in range(paired_seeds)]
+            paired["stale"].append(paired_accept(runs["vllm"], runs["vllm_stale"], step + 1,
+                                                 extra))
+            paired["online"].append(eval_accept(runs["vllm"], step + 1, extra))
     ref, other = list(runs)[:2]   # off / on, or native / vllm
     law = law_check(runs, base.rollout.prompts_per_step, law_seeds, ref, other)
     for run in runs.values():
         run.finish()
     samples = base.rollout.prompts_per_step * base.rollout.group_size
     payload = {**_summary(rows, ref, other), "law_check": law, "arms": arms}
-    if paired:
-        online = payload["vllm"]["accept_length"][1:]
-        payload["paired_stale"] = {"accept_length": paired, "online_accept_length": online,
-                                   "online_over_stale": [a / b for a, b in zip(online, paired)],
-                                   "online_above_every_step": all(
-                                       a > b for a, b in zip(online, paired))}
+    if paired["stale"]:
+        payload["paired_stale"] = _paired_summary(payload["vllm"]["accept_length"][1:],
+                                                  paired["online"], paired["stale"])
     payload.update(recipe=str(recipe), overrides=overrides, num_steps=base.algorithm.num_steps,
                    samples_per_step=samples, plot=str(_plot(rows, out_dir / "recipe_bench.png")))
     if json_path is not None:
@@ -85,22 +96,53 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
     return payload
 
 
-def paired_accept(online: Run, stale: Run, step: int) -> float:
+def paired_accept(online: Run, stale: Run, step: int, extra: Sequence[int] = ()
+                  ) -> list[float]:
     """The stale run's drafter on the online run's policy: `stale`'s engine serves `online`'s
-    current policy, rolls out `online`'s prompts of `step` with that step's seeds (an
-    evaluation: its drafter trains on none of it), then serves its own policy again, under
-    the same version number (its run goes on as if nothing happened). Its accept length."""
+    current policy, rolls out `online`'s prompts of `step` with that step's seeds, then with
+    the seeds of each step index in `extra` (evaluations: its drafter trains on none of
+    them), then serves its own policy again, under the same version number (its run goes on
+    as if nothing happened). Its accept length per seed set."""
     version = stale.engine.policy_version
     stale.engine.load_weights(online.actor.full_parameters(), version=version)
     try:
-        items = online.prompts.batch(step, online.cfg.rollout.prompts_per_step)
-        completions = rollout(stale, step, [it.ids for it in items], train_drafter=False)
-        group = online.cfg.rollout.group_size
-        rewards = [online.prompts.score(items[i // group], online.decode(c.token_ids))
-                   for i, c in enumerate(completions)]
-        return stale.rollout_metrics(completions, rewards).get("rollout/accept_length", 1.0)
+        return eval_accept(stale, step, [step, *extra], prompts_of=online)
     finally:
         stale.engine.load_weights(stale.actor.full_parameters(), version=version)
+
+
+def eval_accept(run: Run, step: int, seeds_of: Sequence[int], prompts_of: Run | None = None
+                ) -> list[float]:
+    """`run`'s engine rolls out the prompts of `step` (of `prompts_of`, default `run`) once
+    with the seeds of each step index in `seeds_of`, as evaluations its drafter never trains
+    on; the accept length of each."""
+    source = prompts_of or run
+    items = source.prompts.batch(step, source.cfg.rollout.prompts_per_step)
+    group = source.cfg.rollout.group_size
+    out = []
+    for index in seeds_of:
+        completions = rollout(run, index, [it.ids for it in items], train_drafter=False)
+        rewards = [source.prompts.score(items[i // group], source.decode(c.token_ids))
+                   for i, c in enumerate(completions)]
+        out.append(run.rollout_metrics(completions, rewards).get("rollout/accept_length", 1.0))
+    return out
+
+
+def _paired_summary(trained: list[float], online: list[list[float]], stale: list[list[float]]
+                    ) -> dict[str, Any]:
+    """Per step: the online drafter's accept length on the step's own seeds (`trained`, its
+    training rollout) and on the extra seed sets (`online`), the stale drafter's on the same
+    seeds (`stale`: the step's own first); the comparison is on the means over all."""
+    online_all = [[t, *o] for t, o in zip(trained, online)]
+    online_mean = [sum(o) / len(o) for o in online_all]
+    stale_mean = [sum(s) / len(s) for s in stale]
+    return {"seed_sets": len(stale[0]),
+            "accept_length": [s[0] for s in stale], "online_accept_length": trained,
+            "stale_per_seed": stale, "online_per_seed": online_all,
+            "stale_mean": stale_mean, "online_mean": online_mean,
+            "online_over_stale_first_seed": [o / s[0] for o, s in zip(trained, stale)],
+            "online_over_stale": [o / s for o, s in zip(online_mean, stale_mean)],
+            "online_above_every_step": all(o > s for o, s in zip(online_mean, stale_mean))}
 
 
 def _arms(method: str, online: bool, backends: list[str] | None) -> dict[str, list[str]]:
@@ -225,10 +267,11 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
             f"{a:.2f}" for a in out[name]["accept_length"]) for name in out["arms"]]
     if "paired_stale" in out:
         pair = out["paired_stale"]
-        lines.append("accept length on the vllm run's policy, steps 2..N: online " + " ".join(
-            f"{a:.2f}" for a in pair["online_accept_length"]) + "; stale " + " ".join(
-            f"{a:.2f}" for a in pair["accept_length"]) + " (online above every step: "
-            f"{pair['online_above_every_step']})")
+        lines.append(f"accept length on the vllm run's policy, steps 2..N, mean of "
+                     f"{pair['seed_sets']} seed sets: online " + " ".join(
+                         f"{a:.2f}" for a in pair["online_mean"]) + "; stale " + " ".join(
+                         f"{a:.2f}" for a in pair["stale_mean"]) + " (online above every "
+                     f"step: {pair['online_above_every_step']})")
     law = out["law_check"]
     if "reward_diff" in law:
         lines.append(f"same policy, {law['num_seeds']} seeds each: reward {other} - {ref} "

@@ -56,15 +56,15 @@ class SpotConfig:
         if self.lr_warmup_steps < 0:
             raise ValueError(f"drafter online training: lr_warmup_steps must be >= 0, got "
                              f"{self.lr_warmup_steps}")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"drafter online training on {self.device!r}, but this machine "
+                             "has no CUDA device: set drafter.online.device=cpu")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of micro-step ``step`` (0-based, counted over the whole run)."""
         if step >= self.lr_warmup_steps:
             return self.lr
         return self.lr * (step + 1) / self.lr_warmup_steps
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"drafter online training on {self.device!r}, but this machine "
-                             "has no CUDA device: set drafter.online.device=cpu")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastdraft.bench.recipe_bench import _arms, paired_accept, run_recipe_bench, summary_lines
+from fastdraft.bench.recipe_bench import (
+    _arms,
+    _paired_summary,
+    paired_accept,
+    run_recipe_bench,
+    summary_lines,
+)
 from fastdraft.config import load_recipe
 from fastdraft.rl.loop import train_step
 from fastdraft.rl.run import Run
@@ -86,10 +92,10 @@ def test_paired_accept_rolls_out_on_the_online_policy_and_gives_the_stale_run_it
             return real_generate(*args, **kwargs)
         stale.engine.generate = generate
         version = stale.engine.policy_version
-        accept = paired_accept(online, stale, 1)
-        assert accept >= 1.0 and len(served) == 1
+        accept = paired_accept(online, stale, 1, extra=[7, 8])
+        assert len(accept) == 3 and min(accept) >= 1.0 and len(served) == 3
         shared = [k for k in served[0] if k in theirs]
-        assert shared and all(torch.equal(served[0][k], theirs[k]) for k in shared)
+        assert shared and all(torch.equal(s[k], theirs[k]) for s in served for k in shared)
         after = params(stale.engine.model.named_parameters())
         assert all(torch.equal(after[k], own[k]) for k in shared)   # its own policy back
         assert stale.engine.policy_version == version
@@ -98,3 +104,17 @@ def test_paired_accept_rolls_out_on_the_online_policy_and_gives_the_stale_run_it
     finally:
         online.finish()
         stale.finish()
+
+
+def test_the_paired_comparison_is_over_every_seed_set_of_a_step():
+    """A step where the training rollout's seeds favour the stale drafter but the other seed
+    sets favour the online one counts as above (the means decide), and one step below on
+    the means makes online_above_every_step false."""
+    out = _paired_summary(trained=[5.0, 6.0], online=[[6.0, 6.2], [5.0, 5.0]],
+                          stale=[[5.5, 5.6, 5.7], [5.4, 5.6, 5.5]])
+    assert out["seed_sets"] == 3
+    assert out["online_per_seed"] == [[5.0, 6.0, 6.2], [6.0, 5.0, 5.0]]
+    assert out["online_over_stale_first_seed"][0] < 1 < out["online_over_stale"][0]
+    assert out["online_mean"][1] < out["stale_mean"][1]
+    assert not out["online_above_every_step"]
+    assert _paired_summary([6.0], [[6.0]], [[5.0, 5.0]])["online_above_every_step"]

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from fastdraft.databuffer import DataBuffer, Sample
@@ -234,3 +235,12 @@ def test_the_learning_rate_warms_up_over_micro_steps_and_a_resumed_trainer_keeps
         resumed.step()
         lrs.append(resumed.optimizer.param_groups[0]["lr"])
     assert lrs == [lr * k / 4 for k in (1, 2, 3, 4, 4)]
+
+
+def test_a_cuda_trainer_on_a_machine_without_one_is_refused_with_the_setting_to_change():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"set drafter\.online\.device=cpu"):
+        SpotConfig(device="cuda")
+    with pytest.raises(ValueError, match="lr_warmup_steps must be >= 0"):
+        SpotConfig(lr_warmup_steps=-1)
