@@ -180,6 +180,9 @@ def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_polic
         online.close()
         assert (online.loss, online.spot.loss) == (want, want)
         assert online.device == online.spot.device == "cpu"   # the policy's device
+    online = OnlineDrafter(OnlineDrafterConfig(enabled=True, lr=2e-4, lr_warmup_steps=24), engine)
+    online.close()
+    assert (online.spot.lr, online.spot.lr_warmup_steps) == (2e-4, 24)   # the recipe's ramp
     if not torch.cuda.is_available():   # never a silent fallback to the host's cores
         with pytest.raises(ValueError, match="no CUDA device"):
             OnlineDrafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)
