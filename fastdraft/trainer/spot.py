@@ -28,6 +28,7 @@ from fastdraft.drafter.base import Drafter
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.trainer.losses import DraftBatch, compute_drafter_loss
 from fastdraft.utils.digest import tensor_digest
+from fastdraft.utils.schedule import warmup_lr
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,9 +63,7 @@ class SpotConfig:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of micro-step ``step`` (0-based, counted over the whole run)."""
-        if step >= self.lr_warmup_steps:
-            return self.lr
-        return self.lr * (step + 1) / self.lr_warmup_steps
+        return warmup_lr(step, lr=self.lr, warmup_steps=self.lr_warmup_steps)
 
 
 @dataclass(frozen=True, slots=True)
