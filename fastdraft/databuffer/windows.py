@@ -19,10 +19,10 @@ What a window still lacks is the rollout's prompt (and the answer before its con
 answer keeps consulting its prompt, as the miniature's task does (answer step i needs prompt
 digit i, far behind a late window), a drafter trained on such windows learns to draft deeper
 levels without it: with 128-token windows (a quarter of the miniature's rollouts cut) the
-online drafter lost 3-6% of accept length at its third step in 5 of 5 runs, with 256-token
-windows none (docs/vllm-backend.md). So `max_sample_tokens` should hold all but the longest
-rollouts; windows led by the prompt would serve answers much longer than their prompts (not
-built: on the miniature a cut rollout's prompt fills half its window).
+online drafter lost 3-6% of accept length at its third step in 7 of 9 runs, with 256-token
+windows or none it did not (docs/vllm-backend.md). So `max_sample_tokens` should hold all but
+the longest rollouts; windows led by the prompt would serve answers much longer than their
+prompts (not built: on the miniature a cut rollout's prompt fills half its window).
 
 A long answer used to be refused (larger than the DataBuffer's capacity: the run died) or cut
 to its first token_budget tokens when sampled (the answer's tail, where speculation pays most,
