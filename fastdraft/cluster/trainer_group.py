@@ -211,7 +211,7 @@ class TrainerGroup(TrainerHandle):
         published = self.members[k].publish(min_steps)
         if self.members[k].stats.steps > steps:   # the top-up trained it alone
             self.fresh = {k}
-        self.version += 1
+        self.version += not published.withheld
         reply = self.members[k]
         self.buffer_bytes, self.cut_samples, self.rss_mb = (
             reply.buffer_bytes, reply.cut_samples, reply.rss_mb)

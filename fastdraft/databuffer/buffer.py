@@ -69,12 +69,18 @@ class DataBuffer:
     max_sample_tokens: a longer rollout is added as windows of at most this many tokens (None:
     only one larger than the capacity is cut, to windows that fit it). window_context: tokens
     each window but a rollout's first leads with, attended to and not scored (windows.py; at
-    most half a window).
+    most half a window). holdout_every: every this many rollouts of a step (0: none) are held
+    out: never sampled for training, they are what `held_out` returns, on which a trained
+    drafter is compared with the one it would replace (trainer/spot.py). A held-out rollout
+    is never cut into windows (a window lacks the prompt, so it would score drafting without
+    the context inference has): it is kept whole, or its first holdout_tokens tokens (None:
+    max_sample_tokens), every scored pair with all its context.
     """
 
     def __init__(self, capacity_bytes: int, offset_mix: float = 0.5, seed: int = 0,
                  spill_dir: str | Path | None = None, *, tail_fraction: float = 0.5,
-                 max_sample_tokens: int | None = None, window_context: int = 0) -> None:
+                 max_sample_tokens: int | None = None, window_context: int = 0,
+                 holdout_every: int = 0, holdout_tokens: int | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"DataBuffer capacity_bytes must be >= 1, got {capacity_bytes}")
         if not 0.0 <= offset_mix <= 1.0:
@@ -87,6 +93,11 @@ class DataBuffer:
         self.capacity_bytes = capacity_bytes
         if window_context < 0:
             raise ValueError(f"DataBuffer window_context must be >= 0, got {window_context}")
+        if holdout_every < 0 or holdout_every == 1:
+            raise ValueError(f"DataBuffer holdout_every must be 0 (none held out) or >= 2 (1 "
+                             f"would hold out every rollout), got {holdout_every}")
+        self.holdout_every = holdout_every
+        self.holdout_tokens = holdout_tokens or max_sample_tokens
         self.max_sample_tokens, self.window_context = max_sample_tokens, window_context
         self.offset_mix = offset_mix
         self.tail_fraction = tail_fraction
@@ -117,8 +128,12 @@ class DataBuffer:
             raise ValueError(f"sample {sample.key}: a 2-token window of it takes "
                              f"{2 * sample.nbytes // sample.num_tokens} bytes, more than the "
                              f"DataBuffer capacity of {self.capacity_bytes}: raise capacity_bytes")
-        size = min(limit, self.max_sample_tokens or limit)
-        windows = cut_windows(sample, size, min(self.window_context, size // 2, size - 2))
+        if self.is_held_out(sample.key):   # a prefix, never windows: see the class doc
+            windows = [sample.truncated(min(limit, self.holdout_tokens or limit,
+                                            sample.num_tokens))]
+        else:
+            size = min(limit, self.max_sample_tokens or limit)
+            windows = cut_windows(sample, size, min(self.window_context, size // 2, size - 2))
         with self._lock:
             for window in windows:
                 if window.window_key in self._entries:
@@ -185,13 +200,37 @@ class DataBuffer:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         with self._lock:
-            current = [e.sample for e in self._entries.values() if e.step == self._step]
-            previous = [e.sample for e in self._entries.values() if e.step == self._step - 1]
+            trainable = [e for e in self._entries.values() if not self.is_held_out(e.sample.key)]
+            current = [e.sample for e in trainable if e.step == self._step]
+            previous = [e.sample for e in trainable if e.step == self._step - 1]
             chosen = select_offset(current, previous, token_budget, self.offset_mix,
                                    self.tail_fraction, self._rng)
         if not chosen:
             return None
         return pack_rows(chosen) if rows else pack(chosen, token_budget, pad_to_budget)
+
+    def is_held_out(self, key: SampleKey) -> bool:
+        """Whether rollout `key` = (rl_step, request_index) is held out of training. The
+        choice rotates with the step, so one GRPO group does not lose the same member twice."""
+        return bool(self.holdout_every) and sum(key) % self.holdout_every == 0
+
+    def held_out(self, token_budget: int) -> list[PackedBatch]:
+        """The held-out samples of the current step (of the previous one while the current
+        has none), packed in rows (`pack_rows`) into batches of about token_budget tokens
+        (one sample longer than that alone); [] when there are none."""
+        with self._lock:
+            held = [e for e in self._entries.values()
+                    if e.step >= self._step - 1 and self.is_held_out(e.sample.key)]
+            newest = max((e.step for e in held), default=None)
+            chosen = [e.sample for e in held if e.step == newest]
+        batches, part, used = [], [], 0
+        for sample in chosen:
+            if part and used + sample.num_tokens > token_budget:
+                batches.append(pack_rows(part))
+                part, used = [], 0
+            part.append(sample)
+            used += sample.num_tokens
+        return batches + ([pack_rows(part)] if part else [])
 
     def stats(self) -> BufferStats:
         with self._lock:

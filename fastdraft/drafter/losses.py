@@ -7,6 +7,9 @@ softmax(lm_head(f_{t+1})) for token t+2. Shapes: B sequences of T tokens, H hidd
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -87,24 +90,33 @@ def ttt_mask(num_steps: int, length: int, device: torch.device,
     return mask
 
 
-def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
-                  valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None,
-                  num_steps: int, regression_weight: float, ce_weight: float,
-                  argmax_weight: float = 0.0, segments: torch.Tensor | None = None,
-                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
-    """Training-time test over num_steps: step j feeds the drafter its own step-(j-1) outputs and
-    token t+1+j, scored against the policy at token t+1+j (its features f_{t+1+j} by SmoothL1
-    when regression_weight > 0, its next-token distribution by soft-CE); loss = sum_j 0.8^j *
-    (regression_weight * SmoothL1_j + ce_weight * CE_j), CE against ce_target(p, argmax_weight).
-    input_ids [B, T], hidden [B, T, H],
-    valid [B, T] bool (tokens that may be scored), weights [B] per-sample or [B, T] per-token
-    (at the pair's first token) optional weights. Packed rows (several sequences one after the
-    other): segments [B, T] numbers each token's sequence and positions [B, T] restart at 0 in
-    each; a pair never spans two sequences and attention stays within one, so the loss equals
-    that of the same sequences padded into rows of their own. Metrics per step j: soft_ce_j,
-    kl_j (KL(p || q) against the policy's own p), top1_acc_j, top3_acc_j (the policy's argmax
-    among the drafter's 3 most likely tokens).
-    Each step re-runs the earlier steps' inputs (no cache: autograd-safe, k is small)."""
+@dataclass(frozen=True, slots=True)
+class UnrolledStep:
+    """Step j of the training-time test, over the L = T - 1 pair indices t: the drafter's
+    features `out` [B, L, H] and logits [B, L, V] for token t+1+j, the policy's features
+    `target_f` and next-token distribution `target_probs` there (no gradient), and `scored`
+    [B, L] bool: the pairs that may be scored (answer tokens, target inside the sequence)."""
+
+    j: int
+    out: torch.Tensor
+    logits: torch.Tensor
+    target_f: torch.Tensor
+    target_probs: torch.Tensor
+    scored: torch.Tensor
+
+
+def unrolled_steps(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
+                   valid: torch.Tensor, lm_head: torch.nn.Module, num_steps: int,
+                   segments: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> Iterator[UnrolledStep]:
+    """The training-time test (EAGLE-3, HASS), one step at a time: step j feeds the drafter its
+    own step-(j-1) outputs and token t+1+j, and is scored against the policy at token t+1+j, so
+    pair index t of step j is what the depth-(j+1) node of a chain drafted from t sees at
+    inference. input_ids [B, T], hidden [B, T, H], valid [B, T] bool (tokens that may be
+    scored). Packed rows (several sequences one after the other): segments [B, T] numbers each
+    token's sequence and positions [B, T] restart at 0 in each; a pair never spans two
+    sequences and attention stays within one. Each step re-runs the earlier steps' inputs (no
+    cache: autograd-safe, num_steps is small)."""
     batch, seq_len = input_ids.shape
     length = seq_len - 1
     feats = drafter.target_features(hidden)[:, :-1]
@@ -114,12 +126,8 @@ def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenState
                  if num_steps > 1 or segments is not None else None)
     if full_mask is not None and full_mask.dim() == 2:
         full_mask = full_mask.expand(batch, -1, -1)
-    if weights is not None and weights.dim() == 1:
-        weights = weights.view(-1, 1)
     t = torch.arange(length, device=input_ids.device)
     inputs_h, inputs_ids, inputs_pos = [], [], []
-    total = torch.zeros((), device=input_ids.device)
-    metrics: Metrics = {}
     h = feats
     for j in range(num_steps):
         idx = (t + 1 + j).clamp_max(seq_len - 1)
@@ -138,14 +146,40 @@ def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenState
         target_f = final[:, idx]
         with torch.no_grad():
             target_probs = lm_head(target_f).float().softmax(-1)
-        step_mask = (valid[:, idx] & in_range & valid[:, :-1]).float()
+        yield UnrolledStep(j, out, logits, target_f, target_probs,
+                           valid[:, idx] & in_range & valid[:, :-1])
+        h = out
+
+
+def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStates,
+                  valid: torch.Tensor, lm_head: torch.nn.Module, weights: torch.Tensor | None,
+                  num_steps: int, regression_weight: float, ce_weight: float,
+                  argmax_weight: float = 0.0, segments: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+    """Training-time test over num_steps (`unrolled_steps`): loss = sum_j 0.8^j *
+    (regression_weight * SmoothL1_j + ce_weight * CE_j), SmoothL1 of the drafter's features
+    against the policy's (when regression_weight > 0), CE of its next-token distribution
+    against ce_target(p, argmax_weight). weights [B] per-sample or [B, T] per-token (at the
+    pair's first token) optional weights. Packed rows give the loss of the same sequences
+    padded into rows of their own. Metrics per step j: soft_ce_j, kl_j (KL(p || q) against the
+    policy's own p), top1_acc_j, top3_acc_j (the policy's argmax among the drafter's 3 most
+    likely tokens)."""
+    length = input_ids.shape[1] - 1
+    if weights is not None and weights.dim() == 1:
+        weights = weights.view(-1, 1)
+    total = torch.zeros((), device=input_ids.device)
+    metrics: Metrics = {}
+    for s in unrolled_steps(drafter, input_ids, hidden, valid, lm_head, num_steps, segments,
+                            positions):
+        j, logits, target_probs = s.j, s.logits, s.target_probs
+        step_mask = s.scored.float()
         if weights is not None:
             step_mask = step_mask * weights[:, : length] if weights.shape[1] > 1 else (
                 step_mask * weights)
         ce = _masked_mean(soft_ce(logits, ce_target(target_probs, argmax_weight)), step_mask)
         step_loss = ce_weight * ce
         if regression_weight > 0:
-            reg = _masked_mean(F.smooth_l1_loss(out.float(), target_f.float(),
+            reg = _masked_mean(F.smooth_l1_loss(s.out.float(), s.target_f.float(),
                                                 reduction="none").mean(-1), step_mask)
             step_loss = step_loss + regression_weight * reg
             metrics[f"regression_{j}"] = reg.item()
@@ -161,7 +195,6 @@ def unrolled_loss(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenState
                                                 .float(), scored).item()
         metrics[f"top3_acc_{j}"] = _masked_mean((top3 == target_ids).any(-1).float(),
                                                 scored).item()
-        h = out
     metrics["loss"], metrics["top1_acc"] = total.item(), metrics["top1_acc_0"]
     metrics["top3_acc"] = metrics["top3_acc_0"]
     return total, metrics

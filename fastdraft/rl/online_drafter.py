@@ -32,7 +32,7 @@ from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
 from fastdraft.rl.sequences import SequenceBatch
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup, WorkerFailure
-from fastdraft.trainer.spot import SpotConfig, SpotStats
+from fastdraft.trainer.spot import HeldOutCheck, SpotConfig, SpotStats
 from fastdraft.trainer.worker import SpotWorker
 
 
@@ -74,6 +74,7 @@ class OnlineDrafter:
         self._dropped_at_start = self._inbox_dropped = self._inbox_at_start = 0
         self._added_at_start = 0
         self.accept_at_publish: float | None = None
+        self.check: HeldOutCheck | None = None   # the last publish's held-out check
         self.pause_s = 0.0
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
         self.train_tokens_on_idle = 0
@@ -89,7 +90,7 @@ class OnlineDrafter:
             spot=self.spot, buffer_bytes=int(cfg.buffer_mb * 2**20),
             offset_mix=cfg.offset_mix, seed=self.seed, num_threads=cfg.num_threads,
             max_steps_per_step=cfg.max_steps_per_step, max_sample_tokens=cfg.window_tokens,
-            window_context=cfg.context_tokens,
+            window_context=cfg.context_tokens, holdout_every=cfg.holdout_every,
             state=state), cfg, SpotStats.of_state(state))
 
     # --------------------------------------------------------------- the collector's buffer
@@ -246,6 +247,7 @@ class OnlineDrafter:
         newest one. Returns the step's drafter metrics."""
         self._settle()
         metrics = self._metrics()
+        self.check = None
         if self.health.observe(engine, accept_length):
             self.health.trainer_steps_at_fallback = self._stats().steps
         elif (self.health.due_for_reprobe(self.cfg.reprobe_every)
@@ -264,6 +266,11 @@ class OnlineDrafter:
             self.accept_at_publish = accept_length
         if metrics.get("drafter/refreshed") or metrics.get("drafter/reprobed"):
             metrics.update(self._metrics())   # the publish may have topped the training up
+        if self.check is not None:
+            metrics.update({"drafter/held_out_accept": self.check.candidate,
+                            "drafter/held_out_serving_accept": self.check.serving,
+                            "drafter/withheld": float(not self.check.passed),
+                            "drafter/held_out_check_s": self.check.seconds})
         return {**metrics, **self.health.metrics(),
                 "drafter/worker_alive": float(self.worker is not None and self.worker.alive)}
 
@@ -272,6 +279,9 @@ class OnlineDrafter:
         one) when the worker fails or what it sent is not a sound drafter."""
         published = self._call("publish", self.cfg.min_steps_per_step)
         if published is None:
+            return False
+        self.check = published.check
+        if published.withheld:   # the serving drafter scored higher: it stays
             return False
         problem, diverged = published_problem(published, engine)
         if problem is None:

@@ -63,7 +63,7 @@ def agree(pg: dist.ProcessGroup, stop: bool, newest_round: int) -> tuple[bool, i
 def sync_state(trainer: SpotTrainer, pg: dist.ProcessGroup, rank: int) -> int:
     """Every member takes the freshest member's drafter, optimizer moments and micro-step
     count (the one with the most steps; the lowest rank among equals), and the newest version
-    any member published. Returns the rank it came from."""
+    any member published with its drafter (the serving one). Returns the rank it came from."""
     steps = torch.tensor([trainer.stats.steps], dtype=torch.int64)
     _allreduce(pg, steps, dist.ReduceOp.MAX)
     candidate = torch.tensor([rank if trainer.stats.steps == steps.item() else 1 << 30])
@@ -80,6 +80,12 @@ def sync_state(trainer: SpotTrainer, pg: dist.ProcessGroup, rank: int) -> int:
     _broadcast(pg, steps := torch.tensor([trainer.stats.steps], dtype=torch.int64), root)
     version = torch.tensor([trainer.version], dtype=torch.int64)
     _allreduce(pg, version, dist.ReduceOp.MAX)   # never a version twice
+    # The engine serves the newest publisher's drafter: every member's held-out reference.
+    holder = torch.tensor([rank if trainer.version == version.item() else 1 << 30])
+    _allreduce(pg, holder, dist.ReduceOp.MIN)
+    serving = _on_host(trainer.serving)
+    _broadcast(pg, serving, int(holder.item()))
+    trainer.serving = [t.clone() for t in _unflatten_dense_tensors(serving, trainer.serving)]
     trainer.stats.steps, trainer.version = int(steps.item()), int(version.item())
     return root
 

@@ -54,6 +54,7 @@ class TrainerSetup:
     state: dict | None = None        # SpotTrainer.state() to continue from
     max_sample_tokens: int | None = None   # longer samples are held as windows (DataBuffer)
     window_context: int = 0                # unscored tokens leading a window (DataBuffer)
+    holdout_every: int = 0                 # rollouts held out to check each publish on
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,11 @@ class TrainerService:
         torch.manual_seed(setup.seed)
         self.buffer = DataBuffer(setup.buffer_bytes, setup.offset_mix, seed=setup.seed,
                                  max_sample_tokens=setup.max_sample_tokens,
-                                 window_context=setup.window_context)
+                                 window_context=setup.window_context,
+                                 holdout_every=setup.holdout_every,
+                                 # a held-out rollout is scored whole up to what one
+                                 # micro-batch holds (the check runs the training's forward)
+                                 holdout_tokens=setup.spot.token_budget)
         head = PolicyHead(setup.policy_config, setup.embed, setup.lm_head)
         self.trainer = SpotTrainer(setup.drafter, head, self.buffer, setup.spot)
         if setup.state is not None:

@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from fastdraft.databuffer import DataBuffer, PackedBatch
+from fastdraft.drafter.acceptance import AcceptEstimate, expected_accept
 from fastdraft.drafter.base import Drafter
 from fastdraft.drafter.checkpoint import trainable_named_tensors
+from fastdraft.drafter.losses import DEFAULT_NUM_STEPS
 from fastdraft.trainer.losses import DraftBatch, compute_drafter_loss
 from fastdraft.utils.digest import tensor_digest
 from fastdraft.utils.schedule import warmup_lr
@@ -67,10 +69,35 @@ class SpotConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldOutCheck:
+    """The trained drafter against the one it would replace (the trainer's last published:
+    the engine's), on the newest step's held-out rollouts: each one's expected accept length
+    (drafter/acceptance.py), paired over the same `chains`."""
+
+    candidate: float
+    serving: float
+    chains: int
+    seconds: float = 0.0   # what scoring both took (the publish waits for it)
+
+    @property
+    def passed(self) -> bool:
+        # A non-finite candidate passes: the loop's health check rejects it and restarts the
+        # diverged trainer, where a withheld one would leave it training on NaNs.
+        return not self.candidate < self.serving
+
+
+@dataclass(frozen=True, slots=True)
 class Published:
     version: int
     checksum: str
     tensors: list[tuple[str, torch.Tensor]]   # trainable tensors only, host copies
+    check: HeldOutCheck | None = None         # None: nothing held out to check on
+
+    @property
+    def withheld(self) -> bool:
+        """The trained drafter lost to the serving one on the held-out rollouts: nothing to
+        load (no tensors; the version is the serving one's)."""
+        return self.check is not None and not self.check.passed
 
 
 MAX_LATENCIES = 1000   # preemption latencies kept (the most recent)
@@ -130,6 +157,10 @@ class SpotTrainer:
         self.drafter.attach(self.head).train()  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=0)
         self.version = 0
+        # What the engine serves (the drafter given, then each publish): the held-out check's
+        # reference. A resumed trainer's own weights may be newer than what it published.
+        self.serving = [t.detach().cpu().clone() for _, t in trainable_named_tensors(drafter)]
+        self._reference: Drafter | None = None   # scratch drafter the serving weights load into
         self.stats = SpotStats(device=str(next(self.drafter.parameters()).device))
         self._lock = threading.Lock()   # one micro-step at a time vs publish / sync
 
@@ -236,12 +267,41 @@ class SpotTrainer:
                 self.buffer.advance_step()
 
     def publish(self) -> Published:
-        """The trainable tensors (host copies), a new version and their checksum."""
+        """The trainable tensors (host copies), a new version and their checksum; withheld
+        (no tensors, the version unchanged) when the buffer holds rollouts out and the
+        trained drafter's expected accept length on them is below the serving one's."""
         with self._lock:
+            check = self._held_out_check()
+            if check is not None and not check.passed:
+                return Published(self.version, "", [], check)
             tensors = [(n, t.detach().cpu().clone())
                        for n, t in trainable_named_tensors(self.drafter)]
             self.version += 1
-        return Published(self.version, tensor_digest(tensors), tensors)
+            self.serving = [t for _, t in tensors]
+        return Published(self.version, tensor_digest(tensors), tensors, check)
+
+    def _held_out_check(self) -> HeldOutCheck | None:
+        """With _lock held: both drafters on the held-out rollouts (None: there are none)."""
+        start = time.perf_counter()
+        batches = self.buffer.held_out(self.cfg.token_budget)
+        if not batches:
+            return None
+        if self._reference is None:
+            self._reference = self.drafter.detached().to(self.device).attach(self.head)
+        with torch.no_grad():
+            for param, tensor in zip(self._reference.parameters(), self.serving):
+                param.copy_(tensor)
+        steps = self.cfg.num_steps or DEFAULT_NUM_STEPS[self.drafter.kind]
+        scores = []
+        for drafter in (self.drafter, self._reference):
+            total = AcceptEstimate(0.0, 0)
+            for packed in batches:
+                b = draft_batch(packed, self.dtype).to(self.device)
+                total += expected_accept(drafter, b.input_ids, b.hidden, b.valid,
+                                         self.head.lm_head, steps, b.segments, b.positions)
+            scores.append(total)
+        return HeldOutCheck(scores[0].mean, scores[1].mean, scores[0].chains,
+                            time.perf_counter() - start)
 
 
 #: (the trainable parameters, with their gradients of this member's batch; its tokens) ->

@@ -125,8 +125,8 @@ def _to_wire(value: Any) -> Any:
     """An answer as it crosses the reply queue: tensors as bytes."""
     if isinstance(value, PublishReply):
         p = value.published
-        return dataclasses.replace(value, published=Published(p.version, p.checksum,
-                                                              _encode(dict(p.tensors))))
+        return dataclasses.replace(value, published=dataclasses.replace(
+            p, tensors=_encode(dict(p.tensors))))
     if isinstance(value, dict):   # a trainer state
         return pickle_state(value)
     return value
@@ -245,7 +245,7 @@ class SpotWorker(TrainerHandle):
         reply = self._reply("publish")
         p = reply.published
         return self._answered(dataclasses.replace(
-            reply, published=Published(p.version, p.checksum, list(_decode(p.tensors).items()))))
+            reply, published=dataclasses.replace(p, tensors=list(_decode(p.tensors).items()))))
 
     def state(self) -> dict:
         self._put("state")

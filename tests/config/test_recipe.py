@@ -39,6 +39,7 @@ def test_a_recipe_and_dotted_overrides_build_checked_sections(tmp_path):
     ("drafter:\n  online:\n    max_sample_tokens: 128\n", "drafter.online.window_context=65",
      r"window_context must be in \[0, 64\]"),
     ("", "drafter.online.lr_warmup_steps=-1", "lr_warmup_steps must be >= 0"),
+    ("", "drafter.online.holdout_every=1", "holdout_every must be 0 .* or >= 2"),
 ])
 def test_mistakes_name_what_to_change(tmp_path, text, override, message):
     with pytest.raises(ValueError, match=message):

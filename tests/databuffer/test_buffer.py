@@ -149,3 +149,43 @@ def test_same_seed_same_batches() -> None:
         return out
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+def test_held_out_rollouts_are_never_trained_on_and_are_what_held_out_returns() -> None:
+    buf = DataBuffer(10**8, holdout_every=4, seed=0)
+    for i in range(16):
+        buf.add(make_sample(i, 6 + i % 3, rl_step=0))
+    held = {(0, i) for i in range(16) if i % 4 == 0}
+    assert {(0, i) for i in range(16) if buf.is_held_out((0, i))} == held
+    drawn = set()
+    for _ in range(50):
+        batch = buf.sample(40)
+        drawn.update(batch.keys)
+    assert drawn == {(0, i) for i in range(16)} - held
+    batches = buf.held_out(token_budget=10)   # one sample per batch: each holds 6-8 tokens
+    assert sorted(k for b in batches for k in b.keys) == sorted(held)
+    assert len(batches) == 4
+    # A step later the choice rotates, and the newest step's held-out rollouts are returned.
+    buf.advance_step()
+    for i in range(8):
+        buf.add(make_sample(i, 6, rl_step=1))
+    assert sorted(k for b in buf.held_out(100) for k in b.keys) == [(1, 3), (1, 7)]
+    buf.advance_step()   # nothing held out of this step yet: the previous one's
+    assert sorted(k for b in buf.held_out(100) for k in b.keys) == [(1, 3), (1, 7)]
+    buf.advance_step()   # two steps old: too stale to judge the next drafter by
+    assert buf.held_out(100) == [] and DataBuffer(10**8).held_out(100) == []
+    with pytest.raises(ValueError, match="holdout_every"):
+        DataBuffer(10**8, holdout_every=1)
+
+
+def test_a_held_out_rollout_is_kept_whole_or_as_a_prefix_never_as_windows() -> None:
+    buf = DataBuffer(10**8, holdout_every=2, max_sample_tokens=8, window_context=2,
+                     holdout_tokens=20)
+    buf.add(make_sample(0, 30))   # held out: its first 20 tokens, prompt included
+    buf.add(make_sample(1, 30))   # trained on: windows of 8
+    buf.add(make_sample(2, 12))   # held out, whole
+    held = {k: s for k, s in ((s.key, s) for s in buf.samples()) if buf.is_held_out(k)}
+    assert sorted(held) == [(0, 0), (0, 2)]
+    assert held[(0, 0)].num_tokens == 20 and held[(0, 0)].start == 0
+    assert held[(0, 2)].num_tokens == 12
+    assert len([s for s in buf.samples() if s.key == (0, 1)]) > 1

@@ -38,7 +38,10 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
                                "drafter.warmup_steps=150", "drafter.warmup_rollouts=256",
                                "rollout.prompts_per_step=16",
                                # a paged KV pool the workers' answers outgrow: preemptions
-                               "rollout.kv_cache_gb=0.02"])
+                               "rollout.kv_cache_gb=0.02",
+                               # a publish only when it beats the serving drafter on the
+                               # step's held-out rollouts (1 in 4)
+                               "drafter.online.holdout_every=4"])
     assert cfg.actor.num_ranks == 2 and cfg.actor.compute_dtype == "bfloat16"
     run = run_recipe(cfg, tmp_path / "run")
     policy = json.loads((run.policy_dir / "config.json").read_text())
@@ -46,8 +49,13 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     assert run.engine.model_drafter.kind == "eagle3" and run.actor.world == 2
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(STEPS))
+    # the version rises at every step's publish, unless the held-out check withheld it (a
+    # data-parallel member with no held-out rollout of its own publishes unchecked)
     versions = [r["drafter/version"] for r in rows]
-    assert versions == sorted(set(versions)) and len(versions) == STEPS   # rises every step
+    for before, after, row in zip(versions, versions[1:], rows):
+        assert after == before + (1 - row.get("drafter/withheld", 0.0)), (versions, row)
+    checked = [r for r in rows if "drafter/withheld" in r]
+    assert checked and all(r["drafter/held_out_accept"] > 1 for r in checked)
     for row in rows:
         assert 0 <= row["drafter/top1_acc"] <= 1
         assert row["drafter/train_steps"] >= cfg.drafter.online.min_steps_per_step

@@ -186,3 +186,39 @@ def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_polic
     if not torch.cuda.is_available():   # never a silent fallback to the host's cores
         with pytest.raises(ValueError, match="no CUDA device"):
             OnlineDrafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)
+
+
+
+def test_a_drafter_that_loses_on_the_held_out_rollouts_is_withheld(char_policy, char_drafter):
+    """What the loop does with the trainer's verdict (the verdict itself: tests/trainer/
+    test_spot.py): a withheld drafter leaves the engine's in place, is no failure, and the
+    next one that wins is published."""
+    from fastdraft.config.sections import OnlineDrafterConfig
+    from fastdraft.rl.online_drafter import OnlineDrafter
+    from fastdraft.trainer.spot import HeldOutCheck, Published
+    from tests.rl.online_helpers import drive_step, eagle_engine
+    engine = eagle_engine(char_policy, char_drafter)
+    online = OnlineDrafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
+                                               holdout_every=2, min_steps_per_step=2), engine)
+    try:
+        metrics = drive_step(online, engine, 0)
+        assert metrics["drafter/held_out_accept"] > 1.0 and "drafter/withheld" in metrics
+        version = engine.drafter_version
+        serving = {n: t.clone() for n, t in trainable_named_tensors(engine.model_drafter)}
+        real_publish = online.worker.publish
+        online.worker.publish = lambda min_steps=0: Published(version, "", [],
+                                                              HeldOutCheck(1.5, 2.0, 40))
+        metrics = online.after_step(engine, 3.0)
+        assert metrics["drafter/withheld"] == 1.0 and "drafter/refreshed" not in metrics
+        assert (metrics["drafter/held_out_accept"],
+                metrics["drafter/held_out_serving_accept"]) == (1.5, 2.0)
+        assert metrics["drafter/rejected"] == 0 and metrics["drafter/restarts"] == 0
+        assert engine.drafter_version == version
+        for name, tensor in trainable_named_tensors(engine.model_drafter):
+            assert torch.equal(tensor, serving[name]), name
+        online.worker.publish = real_publish
+        metrics = drive_step(online, engine, 1)
+        if not metrics["drafter/withheld"]:
+            assert metrics["drafter/refreshed"] and engine.drafter_version == version + 1
+    finally:
+        online.close()

@@ -73,6 +73,7 @@ class _Trainer:
             self.optimizer.step()
         self.stats = type("S", (), {"steps": steps})()
         self.version = version
+        self.serving = [torch.full((2,), 10 + value)]   # the drafter it last published
 
     def trainable(self):
         return [self.param]
@@ -88,6 +89,16 @@ def test_every_member_starts_a_round_from_the_freshest_state():
         assert torch.equal(stale.optimizer.state[stale.param][key],
                            fresh.optimizer.state[fresh.param][key])
     assert stale.stats.steps == 4 and stale.version == 3
+    assert torch.equal(stale.serving[0], fresh.serving[0])
+
+
+def test_the_serving_drafter_comes_from_the_newest_publisher_not_the_freshest_trainer():
+    # Member 0 published last (version 5), member 1 trained on since (more micro-steps).
+    trainers = {0: _Trainer(0.0, steps=0, version=5), 1: _Trainer(1.0, steps=4, version=3)}
+    assert _on_two(lambda pg, rank: sync_state(trainers[rank], pg, rank)) == [1, 1]
+    for t in trainers.values():
+        assert torch.equal(t.param, trainers[1].param) and t.version == 5
+        assert torch.equal(t.serving[0], torch.full((2,), 10.0))
 
 
 def test_members_agree_to_stop_and_on_the_newest_round():

@@ -123,6 +123,24 @@ def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
     assert not worker.process.is_alive()
 
 
+def test_the_held_out_check_crosses_from_the_worker_process(tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)
+    worker = SpotWorker(TrainerSetup(
+        drafter=drafter, policy_config=policy.config,
+        embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
+        spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
+        num_threads=1, holdout_every=2))
+    try:
+        for sample in _samples(policy, 6):
+            worker.add(sample)
+        published = worker.publish()   # untrained: the serving drafter, a tie, published
+        assert published.check is not None and published.check.chains > 0
+        assert published.check.passed and published.version == 1
+        assert published.checksum == tensor_digest(published.tensors)
+    finally:
+        worker.close()
+
+
 _DEAD_WORKER = """
 import sys, torch
 from fastdraft.drafter import build_drafter
@@ -244,3 +262,33 @@ def test_a_cuda_trainer_on_a_machine_without_one_is_refused_with_the_setting_to_
         SpotConfig(device="cuda")
     with pytest.raises(ValueError, match="lr_warmup_steps must be >= 0"):
         SpotConfig(lr_warmup_steps=-1)
+
+
+def test_a_trained_drafter_is_published_only_if_it_beats_the_serving_one_on_held_out_rollouts(
+        tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)   # a random drafter: training can only help
+    buffer = DataBuffer(2**24, holdout_every=4)
+    for s in _samples(policy, 32):
+        buffer.add(s)
+    trainer = SpotTrainer(drafter, PolicyHead.of(policy), buffer, SpotConfig(token_budget=128,
+                                                                            lr=3e-3))
+    first = trainer.publish()   # nothing trained yet: the serving drafter itself, a tie
+    assert first.check.candidate == pytest.approx(first.check.serving)
+    assert first.check.chains == sum(s.num_tokens - 1 for s in _samples(policy, 32)
+                                     if buffer.is_held_out(s.key))
+    assert trainer.run(threading.Event(), max_steps=40) == 40
+    trained = trainer.publish()
+    assert not trained.withheld and trained.version == 2
+    assert trained.check.candidate > trained.check.serving
+    assert [t for _, t in trained.tensors] == trainer.serving   # what it is judged against now
+    # A step that damages the drafter (say, the policy moved and the trainer chased noise):
+    with torch.no_grad():
+        for p in trainer.drafter.parameters():
+            p.add_(torch.randn_like(p))
+    damaged = trainer.publish()
+    assert damaged.withheld and damaged.tensors == [] and damaged.version == 2
+    assert damaged.check.candidate < damaged.check.serving == pytest.approx(
+        trained.check.candidate, rel=1e-5)
+    # Without held-out rollouts nothing is checked: every publish goes out.
+    plain = SpotTrainer(drafter, PolicyHead.of(policy), DataBuffer(2**24), SpotConfig())
+    assert plain.publish().check is None

@@ -32,6 +32,11 @@ class OnlineDrafterConfig:
     rows the update leaves out, the tail trains on the previous step's); refresh: every_step
     (publish after each step) or on_drop (only once the measured accept length fell by
     refresh_drop below the last published drafter's first step).
+    holdout_every: every this many rollouts of a step are held out of training (0: none, the
+    default); at each publish the trained drafter and the serving one are scored on the
+    newest step's held-out rollouts (expected accept length, drafter/acceptance.py), and a
+    trained drafter that scores lower is withheld: the engine keeps the serving one
+    (drafter/withheld), the trainer trains on.
 
     Where and within what it trains:
     device: the trainer process's device (cpu, cuda, cuda:N); None: the policy's model.device,
@@ -72,6 +77,7 @@ class OnlineDrafterConfig:
     source: str = "auto"
     refresh: str = "every_step"
     refresh_drop: float = 0.3
+    holdout_every: int = 0
     device: str | None = None
     max_sample_tokens: int | None = None
     window_context: int | None = None
@@ -113,6 +119,10 @@ class OnlineDrafterConfig:
                  f"drafter.online.window_context must be in [0, {self.window_tokens // 2}] (half "
                  f"a window of {self.window_tokens} tokens: the rest is what a window scores) or "
                  f"null, got {self.window_context}")
+        _require(self.holdout_every == 0 or self.holdout_every >= 2,
+                 f"drafter.online.holdout_every must be 0 (no check) or >= 2 (every N-th "
+                 f"rollout held out; 1 would leave nothing to train on), got "
+                 f"{self.holdout_every}")
         _require(self.inflight_mb > 0 and self.inbox_samples >= 1,
                  "drafter.online: inflight_mb must be > 0 and inbox_samples >= 1")
         _require(self.reply_timeout_s > 0 and self.max_restarts >= 0 and self.reprobe_every >= 0,
