@@ -100,13 +100,17 @@ def train_until(trainer, samples: list[Sample], steps: int, timeout_s: float = 6
         time.sleep(0.2)
 
 
-def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    worker = SpotWorker(TrainerSetup(
+def _worker(policy, drafter, **setup) -> SpotWorker:
+    return SpotWorker(TrainerSetup(
         drafter=drafter, policy_config=policy.config,
         embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
         spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
-        num_threads=1))
+        num_threads=1, **setup))
+
+
+def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
+    policy, drafter = _setup(tiny_checkpoint)
+    worker = _worker(policy, drafter)
     try:
         first = worker.publish()
         assert worker.stats.steps == 0
@@ -125,11 +129,7 @@ def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
 
 def test_the_held_out_check_crosses_from_the_worker_process(tiny_checkpoint):
     policy, drafter = _setup(tiny_checkpoint)
-    worker = SpotWorker(TrainerSetup(
-        drafter=drafter, policy_config=policy.config,
-        embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
-        spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
-        num_threads=1, holdout_every=2))
+    worker = _worker(policy, drafter, holdout_every=2)
     try:
         for sample in _samples(policy, 6):
             worker.add(sample)
