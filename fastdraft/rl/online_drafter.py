@@ -75,6 +75,7 @@ class OnlineDrafter:
         self._added_at_start = 0
         self.accept_at_publish: float | None = None
         self.check: HeldOutCheck | None = None   # the last publish's held-out check
+        self._answered = False   # the trainer answered a publish at this step boundary
         self.pause_s = 0.0
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
         self.train_tokens_on_idle = 0
@@ -247,7 +248,7 @@ class OnlineDrafter:
         newest one. Returns the step's drafter metrics."""
         self._settle()
         metrics = self._metrics()
-        self.check = None
+        self.check, self._answered = None, False
         if self.health.observe(engine, accept_length):
             self.health.trainer_steps_at_fallback = self._stats().steps
         elif (self.health.due_for_reprobe(self.cfg.reprobe_every)
@@ -264,8 +265,8 @@ class OnlineDrafter:
             metrics["drafter/accept_length_before_refresh"] = accept_length
         elif accept_length is not None and self.accept_at_publish is None:
             self.accept_at_publish = accept_length
-        if metrics.get("drafter/refreshed") or metrics.get("drafter/reprobed"):
-            metrics.update(self._metrics())   # the publish may have topped the training up
+        if self._answered:   # the publish may have topped the training up
+            metrics.update(self._metrics())
         if self.check is not None:
             metrics.update({"drafter/held_out_accept": self.check.candidate,
                             "drafter/held_out_serving_accept": self.check.serving,
@@ -280,7 +281,7 @@ class OnlineDrafter:
         published = self._call("publish", self.cfg.min_steps_per_step)
         if published is None:
             return False
-        self.check = published.check
+        self.check, self._answered = published.check, True
         if published.withheld:   # the serving drafter scored higher: it stays
             return False
         problem, diverged = published_problem(published, engine)

@@ -38,7 +38,7 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
                                "drafter.warmup_steps=150", "drafter.warmup_rollouts=256",
                                "rollout.prompts_per_step=16",
                                # a paged KV pool the workers' answers outgrow: preemptions
-                               "rollout.kv_cache_gb=0.02",
+                               "rollout.kv_cache_gb=0.01",
                                # a publish only when it beats the serving drafter on the
                                # step's held-out rollouts (1 in 4)
                                "drafter.online.holdout_every=4"])
