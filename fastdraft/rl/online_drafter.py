@@ -32,7 +32,7 @@ from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
 from fastdraft.rl.sequences import SequenceBatch
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup, WorkerFailure
-from fastdraft.trainer.spot import SpotConfig, SpotStats
+from fastdraft.trainer.spot import HeldOutCheck, SpotConfig, SpotStats
 from fastdraft.trainer.worker import SpotWorker
 
 
@@ -74,9 +74,8 @@ class OnlineDrafter:
         self._dropped_at_start = self._inbox_dropped = self._inbox_at_start = 0
         self._added_at_start = 0
         self.accept_at_publish: float | None = None
-        # This step boundary's publish: answered (the training may have been topped up), and
-        # its held-out check (not the reply itself: its tensors would stay pinned a step)
-        self._answered, self._check = False, None
+        self.check: HeldOutCheck | None = None   # the last publish's held-out check
+        self._answered = False   # the trainer answered a publish at this step boundary
         self.pause_s = 0.0
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
         self.train_tokens_on_idle = 0
@@ -249,7 +248,7 @@ class OnlineDrafter:
         newest one. Returns the step's drafter metrics."""
         self._settle()
         metrics = self._metrics()
-        self._answered, self._check = False, None
+        self.check, self._answered = None, False
         if self.health.observe(engine, accept_length):
             self.health.trainer_steps_at_fallback = self._stats().steps
         elif (self.health.due_for_reprobe(self.cfg.reprobe_every)
@@ -268,11 +267,11 @@ class OnlineDrafter:
             self.accept_at_publish = accept_length
         if self._answered:   # the publish may have topped the training up
             metrics.update(self._metrics())
-        if (check := self._check) is not None:
-            metrics.update({"drafter/held_out_accept": check.candidate,
-                            "drafter/held_out_serving_accept": check.serving,
-                            "drafter/withheld": float(not check.passed),
-                            "drafter/held_out_check_s": check.seconds})
+        if self.check is not None:
+            metrics.update({"drafter/held_out_accept": self.check.candidate,
+                            "drafter/held_out_serving_accept": self.check.serving,
+                            "drafter/withheld": float(not self.check.passed),
+                            "drafter/held_out_check_s": self.check.seconds})
         return {**metrics, **self.health.metrics(),
                 "drafter/worker_alive": float(self.worker is not None and self.worker.alive)}
 
@@ -282,7 +281,7 @@ class OnlineDrafter:
         published = self._call("publish", self.cfg.min_steps_per_step)
         if published is None:
             return False
-        self._answered, self._check = True, published.check
+        self.check, self._answered = published.check, True
         if published.withheld:   # the serving drafter scored higher: it stays
             return False
         problem, diverged = published_problem(published, engine)
