@@ -137,7 +137,8 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", type=Path, help="a YAML recipe (bundled: recipes/*.yaml)")
+    p.add_argument("recipe", type=Path, nargs="?", default=None,
+                   help="a YAML recipe (bundled: recipes/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6 "
                    "rollout.spec.method=none")
     p.add_argument("--run-dir", type=Path, default=None,
@@ -160,7 +161,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 @command("run", "train a policy with GRPO on (speculative) rollouts, as a recipe says")(_run_args)
 def run_recipe_cmd(args: argparse.Namespace) -> int:
     from fastdraft.config import load_recipe
+    from fastdraft.errors import FastdraftError
     from fastdraft.rl.run import run_recipe
+    if args.recipe is None:
+        raise FastdraftError("name a recipe: fastdraft run RECIPE.yaml [section.key=value ...] "
+                             "(bundled ones are in recipes/, e.g. recipes/tiny-grpo.yaml)")
     cfg = load_recipe(args.recipe, args.overrides)
     if args.dry_run:
         from fastdraft.rl.dry_run import dry_run

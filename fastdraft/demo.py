@@ -31,6 +31,12 @@ def resolve_model(model: Path | None, cache_dir: Path | None, flag: str = "--mod
         if not (model / "config.json").is_file():
             raise FileNotFoundError(f"{model}/config.json not found: {flag} takes an HF "
                                     "checkpoint directory")
+        from fastdraft.errors import FastdraftError
+        from fastdraft.models import ModelConfig
+        try:   # an architecture fastdraft does not run is the first thing to say
+            ModelConfig.from_pretrained(model)
+        except (ValueError, KeyError) as err:
+            raise FastdraftError(f"{flag} {model}: {err}") from None
         return model
     from fastdraft.bootstrap.run import run_bootstrap
     return run_bootstrap(cache_dir).policy_dir

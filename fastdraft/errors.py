@@ -30,8 +30,9 @@ _REMEDIES = {
 }
 
 
-class FastdraftError(Exception):
-    """A user error whose message says what to change (the CLI prints it as one line, exit 2)."""
+class FastdraftError(ValueError):
+    """A user error whose message says what to change (the CLI prints it as one line, exit 2).
+    A ValueError too, so a caller that validates its input by catching ValueError sees it."""
 
 
 @dataclass(frozen=True)

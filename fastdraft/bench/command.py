@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # annotations only
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The options, grouped by the benches that read them (`fastdraft bench --help`)."""
     p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
                                      "cluster", "kv"],
                    help="what to benchmark")
@@ -23,62 +24,68 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
-    p.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
-    p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats (rollout, kv: rounds after the warm-up round)")
-    p.add_argument("--compile", action="store_true",
-                   help="spec: torch.compile every method's steps (slow to warm up)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="engine: skip the torch.compile'd engine rows (saves ~1 min); "
-                        "gpu: measure without torch.compile")
-    p.add_argument("--num-prompts", type=int, default=16,
-                   help="prompts per row, rolled out batch_size at a time")
-    p.add_argument("--drafter", type=Path, default=None,
-                   help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
-                        "if missing)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--temperatures", default="0,1",
-                   help="spec: comma-separated sampling temperatures (0: greedy)")
-    p.add_argument("--methods", default="none,eagle,suffix",
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer budget per prompt")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats (rollout, kv: rounds after the warm-up round)")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="prompts per row, rolled out batch_size at a time")
+    g = p.add_argument_group("engine (and spec, gpu where named)")
+    g.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
+    g.add_argument("--no-compile", action="store_true",
+                   help="engine: skip the torch.compile'd engine rows (saves ~1 min); "
+                        "gpu: measure without torch.compile")
+    g = p.add_argument_group("spec: speculation methods side by side")
+    g.add_argument("--methods", default="none,eagle,suffix",
                    help="spec: speculation methods side by side (none: plain decoding)")
+    g.add_argument("--temperatures", default="0,1",
+                   help="spec: comma-separated sampling temperatures (0: greedy)")
+    g.add_argument("--drafter", type=Path, default=None,
+                   help="spec: drafter dir (default: drafter-eagle1 beside the policy, warmed up "
+                        "if missing)")
+    g.add_argument("--compile", action="store_true",
+                   help="spec: torch.compile every method's steps (slow to warm up)")
     # On the 2-core CPU no swept shape (depth 4-9, topk 1-4, 6-20 nodes) beat this one reliably
     # across drafters, and it keeps the best greedy acceptance over 64 prompts (README).
-    p.add_argument("--depth", type=int, default=6, help="spec: draft tree depth")
-    p.add_argument("--topk", type=int, default=3, help="spec: children per draft tree node")
-    p.add_argument("--tokens-to-verify", type=int, default=12,
+    g.add_argument("--depth", type=int, default=6, help="spec: draft tree depth")
+    g.add_argument("--topk", type=int, default=3, help="spec: children per draft tree node")
+    g.add_argument("--tokens-to-verify", type=int, default=12,
                    help="spec: tree nodes verified per step")
-    p.add_argument("--shape", default="qwen2.5-7b",
+    g = p.add_argument_group("gpu: real shapes, random weights, on a CUDA device")
+    g.add_argument("--shape", default="qwen2.5-7b",
                    help="gpu: a real model shape with random weights (bench/real_shapes.py)")
-    p.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
-    p.add_argument("--parts", default="generate,decode,cycle,memory,rows",
+    g.add_argument("--contexts", default="512,4096", help="gpu: decode context lengths")
+    g.add_argument("--parts", default="generate,decode,cycle,memory,rows",
                    help="gpu: which measurements to run")
-    p.add_argument("--gpu-json", type=Path, default=None,
-                   help="cluster: unit costs for the projections from this `bench gpu --json` "
-                        "file (default: the H100 floors of the README)")
-    p.add_argument("--trace", type=Path, default=None,
-                   help="kv: a published answer-length trace for concurrency_ratio "
-                        "(default: the bundled fastdraft/bench/traces/ one)")
-    p.add_argument("--shapes-recipe", type=Path, default=Path("recipes/qwen3-8b-grpo.yaml"),
-                   help="kv: the recipe whose shapes concurrency_ratio takes")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="cluster: run the ray_off / ray_on pair with this many seeds (the "
-                        "recipe's, then the next ones): exposed_drafter_cost is their mean")
-    p.add_argument("--backends", default=None,
+    g = p.add_argument_group("recipe: the recipe run twice, side by side")
+    g.add_argument("--backends", default=None,
                    help="recipe: two rollout backends side by side instead of speculation off "
                         "/ on, e.g. native,vllm (vllm: from the vLLM venv, scripts/setup-vllm.sh)")
-    p.add_argument("--paired-seeds", type=int, default=4,
+    g.add_argument("--paired-seeds", type=int, default=4,
                    help="recipe --backends native,vllm: seed sets each drafter (online, stale) "
                         "rolls out on the online run's policy every step besides the step's "
                         "own (one rollout's accept length is within a few percent only)")
-    p.add_argument("--simulate", action="store_true",
-                   help="cluster: only the simulator's projections (8 / 64 / 256 GPUs, 7B and "
-                        "32B) from --gpu-json or the H100 floors; no runs")
-    p.add_argument("--consolidate-below", type=int, default=16,
+    g = p.add_argument_group("cluster: Ray rollout workers, the drafter trained on idle time")
+    g.add_argument("--seeds", type=int, default=1,
+                   help="cluster: run the ray_off / ray_on pair with this many seeds (the "
+                        "recipe's, then the next ones): exposed_drafter_cost is their mean")
+    g.add_argument("--consolidate-below", type=int, default=16,
                    help="cluster: the tail-consolidation arm's cluster.consolidate_below (a "
                         "worker's tail of fewer requests moves to a generating worker)")
+    g.add_argument("--gpu-json", type=Path, default=None,
+                   help="cluster: unit costs for the projections from this `bench gpu --json` "
+                        "file (default: the H100 floors of the README)")
+    g.add_argument("--simulate", action="store_true",
+                   help="cluster: only the simulator's projections (8 / 64 / 256 GPUs, 7B and "
+                        "32B) from --gpu-json or the H100 floors; no runs")
+    g = p.add_argument_group("kv: the paged KV cache's concurrency")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="kv: a published answer-length trace for concurrency_ratio "
+                        "(default: the bundled fastdraft/bench/traces/ one)")
+    g.add_argument("--shapes-recipe", type=Path, default=Path("recipes/qwen3-8b-grpo.yaml"),
+                   help="kv: the recipe whose shapes concurrency_ratio takes")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+from urllib.parse import urlsplit
 
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.errors import FastdraftError
@@ -24,6 +27,7 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
     import ray
     if ray.is_initialized():   # a test's, a bench's, or the user's own driver
         return False
+    check_address(cfg)   # before ray.init, which retries a dead address for many minutes
     options = {} if cfg.address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
     if not cfg.address and sys.platform.startswith("linux"):
         # Started first: a run killed while Ray starts leaves nothing behind either.
@@ -41,6 +45,50 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
             "with token authentication needs RAY_AUTH_MODE=token and its token "
             "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this process's environment") from err
     return True
+
+
+def check_address(cfg: ClusterConfig) -> None:
+    """cluster.address answers on its port within cluster.connect_timeout_s, or one line says
+    what to check: nothing listening there is told at once, an address that never answers (a
+    firewall, a wrong host) after the timeout. `auto` (the cluster `ray start` left on this
+    machine) is Ray's to find; it says at once when there is none."""
+    if cfg.address is None or cfg.address == "auto":
+        return
+    host, port = _host_port(cfg.address)
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    why = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port),
+                                          timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except ConnectionRefusedError:
+            why = "connection refused: nothing listens on that port"
+            break
+        except TimeoutError:
+            why = f"no answer within cluster.connect_timeout_s={cfg.connect_timeout_s:g} s"
+        except OSError as err:   # an unknown host, no route
+            why = err.strerror or str(err)
+            break
+    raise FastdraftError(
+        f"cluster.address={cfg.address}: no Ray cluster there ({why}). Check that the head "
+        "runs (`ray status` on it), that the address and port are the ones `ray start --head` "
+        "printed (default port 6379; ray://HOST:10001 for a Ray client), that no firewall is in "
+        "between, and for token authentication RAY_AUTH_MODE=token with its token; or leave "
+        "cluster.address unset to start a local cluster")
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """`HOST:PORT`, `ray://HOST:PORT` or `[IPv6]:PORT` -> (host, port)."""
+    parsed = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if not parsed.hostname or port is None:
+        raise FastdraftError(f"cluster.address={address}: not HOST:PORT (e.g. 10.0.0.1:6379, "
+                             "ray://10.0.0.1:10001, or auto)")
+    return parsed.hostname, port
 
 
 def shutdown() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from fastdraft.config.sections import RunConfig
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.atomic import atomic_write_text
 
 #: Keys that existed once: a recipe that still has one is told what replaced it.
@@ -35,31 +36,45 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     """A recipe file (None: all defaults) plus `a.b.c=value` overrides -> a checked RunConfig."""
     data: dict[str, Any] = {}
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"recipe {file} not found (bundled ones are in recipes/)")
-        try:
-            data = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"recipe {file} is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"recipe {file} must be a mapping of sections, got "
-                             f"{type(data).__name__}")
+        data = _read_recipe(Path(path))
     for item in overrides:
         _apply_override(data, item)
     return build(RunConfig, data, "")
 
 
+def _read_recipe(file: Path) -> dict[str, Any]:
+    """The recipe file's sections; a directory, an empty (or comment-only) file or a file that is
+    not a mapping is a user error: running all the defaults is never what was meant."""
+    if file.is_dir():
+        found = sorted(p.name for p in file.glob("*.yaml"))
+        listed = f": it holds {', '.join(found)}" if found else ""
+        raise FastdraftError(f"recipe {file} is a directory: name a YAML file in it{listed} "
+                             f"(e.g. fastdraft run {file / (found[0] if found else 'NAME.yaml')})")
+    if not file.is_file():
+        raise FileNotFoundError(f"recipe {file} not found (bundled ones are in recipes/)")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        raise FastdraftError(f"recipe {file} is not valid YAML: {err}") from None
+    if data is None:
+        raise FastdraftError(f"recipe {file} is empty (or only comments): a recipe names at least "
+                             "its sections; start from a bundled one, e.g. recipes/tiny-grpo.yaml")
+    if not isinstance(data, dict):
+        raise FastdraftError(f"recipe {file} must be a mapping of sections, got "
+                             f"{type(data).__name__}")
+    return data
+
+
 def _apply_override(data: dict[str, Any], item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
-        raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. actor.lr=3e-6)")
+        raise FastdraftError(f"override {item!r} is not KEY=VALUE (e.g. actor.lr=3e-6)")
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"override {item!r}: {part!r} is not a section")
+            raise FastdraftError(f"override {item!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
@@ -69,7 +84,7 @@ def build(cls: type, data: Any, where: str, base: Any = None) -> Any:
     Keys the mapping leaves out keep the values of `base` (the section's default instance), so
     `rollout.spec.method=none` changes the method and keeps the recipe's tree shape."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'recipe'} must be a mapping, got {data!r}")
+        raise FastdraftError(f"{where or 'recipe'} must be a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     if base is None:
@@ -78,18 +93,45 @@ def build(cls: type, data: Any, where: str, base: Any = None) -> Any:
     for key, value in data.items():
         name = f"{where}.{key}" if where else str(key)
         if key not in fields and name in REMOVED_KEYS:
-            raise ValueError(f"recipe key {name!r} was removed: {REMOVED_KEYS[name]}")
+            raise FastdraftError(f"recipe key {name!r} was removed: {REMOVED_KEYS[name]}")
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {_join(where, close[0])!r}?" if close else ""
-            raise ValueError(f"unknown recipe key {name!r}{hint} (valid keys here: "
-                             f"{', '.join(sorted(fields))})")
+            raise FastdraftError(f"unknown recipe key {name!r}{_did_you_mean(cls, where, key)} "
+                                 f"(valid keys here: {', '.join(sorted(fields))})")
         kwargs[key] = _coerce(hints[key], value, name,
                               None if base is None else getattr(base, key))
     try:
         return cls(**kwargs)
     except TypeError as err:
-        raise ValueError(f"{where or 'recipe'}: {err}") from None
+        raise FastdraftError(f"{where or 'recipe'}: {err}") from None
+
+
+def _did_you_mean(cls: type, where: str, key: str) -> str:
+    """`; did you mean 'x.y'?`: a close key of this section, else a key of that name (or close
+    to it) in another section of the recipe (`group_size` -> `rollout.group_size`)."""
+    close = difflib.get_close_matches(str(key), [f.name for f in dataclasses.fields(cls)], n=1)
+    if close:
+        return f"; did you mean {_join(where, close[0])!r}?"
+    keys = list(_all_keys(RunConfig, ""))
+    leaves = {}
+    for dotted in keys:
+        leaves.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
+    names = leaves.get(str(key)) or [d for near in difflib.get_close_matches(str(key), leaves, n=1)
+                                     for d in leaves[near]]
+    if not names:
+        return ""
+    return "; did you mean " + " or ".join(repr(n) for n in names) + "?"
+
+
+def _all_keys(cls: type, where: str) -> Any:
+    """Every dotted key of a config class, sections and their keys."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = _join(where, f.name)
+        yield name
+        inner = [a for a in (typing.get_args(hints[f.name]) or (hints[f.name],))
+                 if dataclasses.is_dataclass(a)]
+        for section in inner:
+            yield from _all_keys(section, name)
 
 
 def _default_instance(cls: type) -> Any:
@@ -110,23 +152,25 @@ def _coerce(hint: Any, value: Any, name: str, current: Any = None) -> Any:
         return build(hint, value, name, current if dataclasses.is_dataclass(current) else None)
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise ValueError(f"{name} must be a list of {len(args)} values, got {value!r}")
+            raise FastdraftError(f"{name} must be a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, name) for a, v in zip(args, value))
+    if (origin or hint) is dict and value is None:   # null clears a mapping setting
+        return {}
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
+            raise FastdraftError(f"{name} must be true or false, got {value!r}")
         return value
     if hint in (int, float):
         try:
             out = hint(value)
         except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number, got {value!r}") from None
+            raise FastdraftError(f"{name} must be a number, got {value!r}") from None
         if hint is int and out != value and not (isinstance(value, str) and str(out) == value):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise FastdraftError(f"{name} must be an integer, got {value!r}")
         return out
     if hint is str:
         if not isinstance(value, str | int | float):
-            raise ValueError(f"{name} must be a string, got {value!r}")
+            raise FastdraftError(f"{name} must be a string, got {value!r}")
         return str(value)
     return value
 

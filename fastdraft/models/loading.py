@@ -13,14 +13,15 @@ from safetensors import safe_open
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
 from fastdraft.utils.atomic import atomic_dir
-from fastdraft.utils.tensor_file import save_tensors
+from fastdraft.utils.tensor_file import check_safetensors, save_tensors
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "vocab.json", "merges.txt")
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) over every shard; the index file decides the shards when present."""
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's *.safetensors files (the index file decides the shards when present),
+    each there and whole as its header tells (a truncated file is named, not loaded)."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -34,6 +35,13 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is listed in {index.name} but missing")
+        check_safetensors(path, f"checkpoint {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) over every shard of weight_files(model_dir)."""
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is no dict)
                 yield name, f.get_tensor(name)

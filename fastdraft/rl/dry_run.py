@@ -1,9 +1,9 @@
-"""`fastdraft run RECIPE --dry-run`: the recipe parsed, its paths checked, and the memory plans
-of its engine, its actor and the whole run printed for a node of actor.num_ranks devices, then
-checked: exit 0 if they fit, an error naming the setting to change if not. It reads the policy's
-config.json and the drafter's drafter_config.json only: no weights, no engine, no bootstrap
-training (a bootstrap policy is planned from its cached checkpoint). A Run checks the same plan
-(plan_run) before it builds its engine."""
+"""`fastdraft run RECIPE --dry-run`: the checks a run makes before its first step
+(rl/preflight.py, the same function), and the memory plans of its engine, its actor and the
+whole run printed for a node of actor.num_ranks devices: exit 0 if all pass, an error naming
+what to change if not. Of the checkpoints it reads config.json, the tokenizer, the weight files'
+headers and drafter_config.json: no weights, no engine, no bootstrap training (a bootstrap
+policy is planned from its cached checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,20 +17,12 @@ from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.models import ModelConfig
-from fastdraft.rl.memory_plan import ActorPlan, RunPlan, check_run_plan
+from fastdraft.rl.memory_plan import ActorPlan, RunPlan
 from fastdraft.rl.online_drafter import trainer_aux_layers
-from fastdraft.rl.run_inputs import check_paths, rollout_seq_len
 from fastdraft.utils.device_memory import GB, Capacity, host_memory
 
 #: A CUDA recipe planned where no GPU is visible: a node of 80 GB devices (A100 / H100).
 DEFAULT_GPU_GB = 80.0
-
-
-def plan_recipe(cfg: RunConfig, cache_dir: Path | None = None) -> RunPlan:
-    """The run's memory plan from the recipe and the files its paths name (checked first)."""
-    check_paths(cfg)
-    drafter_dir = Path(cfg.drafter.path).expanduser() if cfg.drafter.path else None
-    return plan_run(cfg, _policy_dir(cfg, cache_dir), drafter_dir, rollout_seq_len(cfg))
 
 
 def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
@@ -73,33 +65,18 @@ def node_capacity(device: str, device_gb: float | None) -> Capacity:
 
 def dry_run(cfg: RunConfig, device_gb: float | None = None, json_path: Path | None = None,
             cache_dir: Path | None = None) -> int:
-    """Prints the plans (and writes them to json_path); raises ValueError if they do not fit."""
-    plan = plan_recipe(cfg, cache_dir)
+    """Every check the run makes before its first step (rl/preflight.py), the plans printed
+    (and written to json_path); raises a user error at the first that fails."""
+    from fastdraft.rl.preflight import preflight
     capacity = node_capacity(cfg.model.device, device_gb)
-    print("\n".join([*plan.engine.lines(capacity), *plan.actor.lines(),
-                     *plan.lines(capacity.usable)]))
+    plan = preflight(cfg, capacity, cache_dir, dry=True).plan
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"recipe": cfg.name, "device_bytes": capacity.total,
                                          "usable_bytes": capacity.usable, **plan.as_dict()},
                                         indent=2))
-    check_run_plan(plan.engine, plan.actor, capacity.usable)
-    print(f"dry run: {cfg.name} fits (paths checked, no weights loaded)")
+    print(f"dry run: {cfg.name} fits (inputs checked, no weights loaded)")
     return 0
-
-
-def _policy_dir(cfg: RunConfig, cache_dir: Path | None) -> Path:
-    if cfg.model.path is not None:
-        return Path(cfg.model.path).expanduser()
-    from fastdraft.bootstrap.run import bootstrap_dir, default_cache_dir, load_cached
-    from fastdraft.bootstrap.spec import get_spec
-    cached = load_cached(bootstrap_dir(cache_dir or default_cache_dir(),
-                                       get_spec(cfg.model.bootstrap), seed=0))
-    if cached is None:
-        raise ValueError(f"--dry-run plans from the policy's config.json: set model.path, or "
-                         f"bootstrap the policy first (`fastdraft bootstrap --spec "
-                         f"{cfg.model.bootstrap}`)")
-    return Path(cached.policy_dir)
 
 
 def _drafter_shape(cfg: RunConfig, drafter_dir: Path | None) -> DrafterShape | None:

@@ -143,7 +143,7 @@ def check_gate(actor: TokenStats, engine_logprobs: torch.Tensor, mask: torch.Ten
                 f"{law.entropy:.4f} nats a token ({'sharper' if law.z < 0 else 'flatter'} "
                 f"than the policy), while the per-token logprobs agree. Check the speculative "
                 f"path's rejection sampling (engine/spec/accept.py) and the drafter's q passed "
-                f"to it (rollout.spec.method=none isolates it)")
+                f"to it (rollout.spec.method=none drafter.online.enabled=false isolates it)")
     return metrics
 
 
@@ -172,5 +172,6 @@ def _diff_message(diff: torch.Tensor, mask: torch.Tensor, actor: torch.Tensor,
             f"the engine's logprob {float(engine[row, col]):.4f} differs from the actor's "
             f"{float(actor[row, col]):.4f} by {float(diff[row, col]):.3g}: the rollout was not "
             "sampled from the policy being trained. Check the weight push "
-            "(engine.load_weights) and the speculative path (rollout.spec.method=none isolates "
-            "it); raise algorithm.gate tolerances only if the dtypes' rounding explains it")
+            "(engine.load_weights) and the speculative path (rollout.spec.method=none "
+            "drafter.online.enabled=false isolates it); raise algorithm.gate tolerances only "
+            "if the dtypes' rounding explains it")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdraft.config.sections import DataConfig
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.tasks import Problem, get_task
 
 
@@ -26,7 +27,9 @@ class PromptItem:
 
 
 class PromptSource:
-    def __init__(self, cfg: DataConfig, tokenizer: Any, max_prompt_len: int) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Any, max_prompt_len: int,
+                 rows: list[dict[str, Any]] | None = None) -> None:
+        """rows: the prompt file's rows, already loaded and checked (else loaded here)."""
         self.cfg, self.tokenizer = cfg, tokenizer
         special = cfg.add_special_tokens if cfg.add_special_tokens is not None else cfg.task is None
         self._special = special
@@ -36,11 +39,12 @@ class PromptSource:
             from fastdraft.rl.data import load_prompts
             from fastdraft.rl.rewards import get_reward
             self.reward_fn = get_reward(cfg.reward)
-            self.rows = load_prompts(Path(cfg.path), cfg.prompt_key, cfg.answer_key)
+            self.rows = rows if rows is not None else load_prompts(
+                Path(cfg.path).expanduser(), cfg.prompt_key, cfg.answer_key)
             for i, row in enumerate(self.rows):
-                n = len(self._encode(str(row["prompt"])))
+                n = len(self._encode(row["prompt"]))
                 if n > max_prompt_len:
-                    raise ValueError(f"prompt {i} of {cfg.path} has {n} tokens, more than the "
+                    raise FastdraftError(f"prompt {i} of {cfg.path} has {n} tokens, more than the "
                                      f"{max_prompt_len} rollout.max_seq_len leaves after "
                                      "max_new_tokens: raise rollout.max_seq_len or drop it")
         self.pool: list[PromptItem] = []
@@ -70,8 +74,7 @@ class PromptSource:
 
     def _row(self, index: int) -> PromptItem:
         row = self.rows[index]
-        text = str(row["prompt"])
-        return PromptItem(self._encode(text), text, str(row["answer"]))
+        return PromptItem(self._encode(row["prompt"]), row["prompt"], row["answer"])
 
     def score(self, item: PromptItem, completion_text: str) -> float:
         if item.problem is not None and self.task is not None:

@@ -24,30 +24,20 @@ from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
 from fastdraft.engine import Completion, RolloutEngine
 from fastdraft.engine.paged_kv import kv_blocks_in
-from fastdraft.errors import FastdraftError, Place, check_free_space, writable_dir
+from fastdraft.errors import FastdraftError, Place
 from fastdraft.models import ModelConfig
 from fastdraft.rl.actor import Actor
 from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.dashboard import draw_dashboard
-from fastdraft.rl.dry_run import plan_run
 from fastdraft.rl.fixed_drafter import FixedDrafter
 from fastdraft.rl.gate import GateTolerance
-from fastdraft.rl.memory_plan import check_run_plan
 from fastdraft.rl.metrics import MetricsLogger
 from fastdraft.rl.objective import Algorithm
 from fastdraft.rl.online_drafter import OnlineDrafter, trainer_aux_layers
-from fastdraft.rl.prompts import PromptSource
+from fastdraft.rl.preflight import preflight
 from fastdraft.rl.resume_check import check_resume_config
-from fastdraft.rl.run_inputs import (
-    check_devices,
-    check_paths,
-    resolve_drafter,
-    resolve_policy,
-    rollout_seq_len,
-)
 from fastdraft.rl.stop import RunStopped, StepClock, stop_signal_in
 from fastdraft.utils.atomic import atomic_write_text
-from fastdraft.utils.device_memory import device_capacity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,39 +45,27 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Run:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False,
                  cache_dir: Path | None = None, resume_force: bool = False) -> None:
-        check_paths(cfg)
-        check_devices(cfg)
         self.cfg, self.run_dir = cfg, run_dir
         self.clock = StepClock()   # the step and checkpoint times a stop signal is judged by
-        place = Place(run_dir, "--run-dir")
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
         latest = self.checkpoints.latest(digests=True) if resume else None
         if resume and latest is None:
-            raise ValueError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}; "
-                             "start a new run without --resume")
+            raise FastdraftError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'};"
+                                 " start a new run without --resume")
         if not resume and (run_dir / "checkpoints").is_dir() and self.checkpoints.latest():
-            raise ValueError(f"{run_dir} already holds a run: pass --resume to continue it, or "
-                             "choose another --run-dir")
+            raise FastdraftError(f"{run_dir} already holds a run: pass --resume to continue it, "
+                                 "or choose another --run-dir")
         if latest is not None:   # before anything is written: a refused resume changes nothing
             check_resume_config(latest, config_dict(cfg), resume_force)
-        writable_dir(place)   # a read-only / full disk or a file in the way: one line, now
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.policy_dir = resolve_policy(cfg, cache_dir)
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(self.policy_dir)
-        device = cfg.model.device
-        max_seq_len = rollout_seq_len(cfg)
-        self.prompts = PromptSource(cfg.data, self.tokenizer,
-                                    max_seq_len - cfg.rollout.max_new_tokens)
-        drafter_dir = resolve_drafter(cfg, self.policy_dir)
-        # The memory plan of the engine and the actor beside it, checked before any allocation.
-        self.memory_plan = plan_run(cfg, self.policy_dir, drafter_dir, max_seq_len)
-        capacity = device_capacity(device).usable
-        print("\n".join([*self.memory_plan.actor.lines(), *self.memory_plan.lines(capacity)]))
-        check_run_plan(self.memory_plan.engine, self.memory_plan.actor, capacity)
-        check_free_space(place, int(1.1 * self.memory_plan.actor.host), "a checkpoint (fp32 "
-                         "weights and AdamW moments)")
+        # Every check before the first step (the dry run's too), the bootstrap policy and its
+        # drafter resolved, the memory plan checked before any allocation.
+        inputs = preflight(cfg, None, cache_dir, Place(run_dir, "--run-dir"))
+        self.policy_dir, self.tokenizer, self.prompts = (inputs.policy_dir, inputs.tokenizer,
+                                                         inputs.prompts)
+        drafter_dir, max_seq_len = inputs.drafter_dir, inputs.max_seq_len
+        self.memory_plan = inputs.plan
         atomic_write_text(run_dir / "memory_plan.json",
                           json.dumps(self.memory_plan.as_dict(), indent=1))
         make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,

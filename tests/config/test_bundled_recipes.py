@@ -57,12 +57,19 @@ GPU_RECIPES = [("qwen3-8b-grpo.yaml", QWEN3_8B), ("qwen2.5-7b-grpo.yaml", QWEN25
 
 
 def _local_paths(root: Path, hf: dict) -> list[str]:
-    """A model directory with the real config.json (no weights), an EAGLE-3 drafter's
-    drafter_config.json over a 32k draft vocabulary (as the recipes' warm-up command makes),
-    and a one-row parquet dataset: the recipe's three paths, as overrides."""
+    """A model directory with the real config.json, a tokenizer and a stand-in weight file (the
+    dry run reads its header only), an EAGLE-3 drafter's drafter_config.json over a 32k draft
+    vocabulary (as the recipes' warm-up command makes), and a one-row parquet dataset: the
+    recipe's three paths, as overrides."""
     import pandas as pd
+    import torch
+    from safetensors.torch import save_file
+
+    from fastdraft.bootstrap.tokenizer import build_char_tokenizer
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text(json.dumps(hf))
+    build_char_tokenizer(root / "model")
+    save_file({"stand_in": torch.zeros(4)}, str(root / "model" / "model.safetensors"))
     (root / "drafter").mkdir()
     (root / "drafter" / "drafter_config.json").write_text(json.dumps(
         {"kind": "eagle3", "policy_config": hf, "draft_token_ids": list(range(32768))}))
@@ -95,7 +102,6 @@ def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, cap
     cfg = load_recipe(RECIPES_DIR / name)
     assert plan["engine"]["num_slots"] == cfg.rollout.max_batch_size
     assert plan["actor"]["num_ranks"] == 8 and plan["actor"]["compute_dtype"] == "bfloat16"
-    assert not list((tmp_path / "model").glob("*.safetensors"))   # nothing there to load
 
 
 def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):

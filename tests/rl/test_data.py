@@ -93,8 +93,9 @@ def test_write_jsonl_rejects_unserialisable_without_clobbering(tmp_path: Path) -
 
 @pytest.mark.parametrize("content, match", [
     ("", "is empty"),
-    ('{"prompt": "a"}\n{"prompt": \n', "could not be read as one JSON object per line"),
-    ("not json at all\n", "could not be read"),
+    ('{"prompt": "a"}\n{"prompt": \n', r"line 2: Expecting value .*every line must be one JSON "
+                                       "object"),
+    ("not json at all\n", "line 1: Expecting value"),
 ])
 def test_unreadable_prompt_files_say_what_is_wrong(tmp_path: Path, content: str, match: str):
     path = tmp_path / "p.jsonl"

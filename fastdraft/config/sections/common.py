@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from fastdraft.errors import FastdraftError
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise FastdraftError(message)

@@ -60,7 +60,8 @@ class DataConfig:
         if self.task is None:
             _require(not self.task_options and self.task_pool is None,
                      "data.task_options and data.task_pool belong to data.task: with data.path "
-                     "they would be ignored; remove them")
+                     "they would be ignored; remove them (from the command line: "
+                     "data.task_options=null data.task_pool=null)")
         else:   # an unknown task or option fails when the recipe loads, not after a bootstrap
             from fastdraft.rl.tasks import get_task
             try:
