@@ -1,7 +1,7 @@
 """`fastdraft <command>`: run | plot | bootstrap | generate | drafter | bench. Each command
 registers its arguments and its runner by name; the heavy imports happen inside the runner so
-`--help` stays fast. User errors (errors.py: a FastdraftError, ValueError, FileNotFoundError, the
-lossless gate's, an OS error on a chosen directory) print one line that says what to change; a
+`--help` stays fast. User errors (errors.py: a FastdraftError, the lossless gate's among them, a
+FileNotFoundError, an OS error on a chosen directory) print one line that says what to change; a
 bug prints one line and leaves its traceback in a crash log."""
 
 from __future__ import annotations

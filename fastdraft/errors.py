@@ -1,6 +1,7 @@
-"""What the CLI tells a user when a command fails: a user error (a FastdraftError, a ValueError /
-FileNotFoundError raised by a check, an OS error on a directory the user chose) is one line that
-says what to change; anything else is a bug, told in one line with its traceback in a crash log.
+"""What the CLI tells a user when a command fails: a user error (a FastdraftError raised by a
+check, a FileNotFoundError naming a path the user gave, an OS error on a directory the user
+chose) is one line that says what to change; anything else (a ValueError a library raised
+included) is a bug, told in one line with its traceback in a crash log.
 
 OS errors are recognised through the whole exception chain (a checkpoint write that hit a full
 disk arrives as a CheckpointWriteError whose cause is the OSError) and named by the setting that
@@ -95,7 +96,7 @@ def describe_os_error(err: OSError, places: list[Place]) -> str:
 
 def user_error_line(err: BaseException, places: list[Place]) -> str | None:
     """The one line for a user error; None for a bug."""
-    if isinstance(err, (FastdraftError, ValueError, FileNotFoundError)):
+    if isinstance(err, (FastdraftError, FileNotFoundError)):
         return str(err)
     found = os_error_in(err)
     return describe_os_error(found, places) if found is not None else None

@@ -50,7 +50,8 @@ def test_an_os_error_is_found_behind_the_error_it_caused_and_named_by_its_place(
         "Read-only file system: /data/runs/x/checkpoints/a (under --run-dir /data/runs/x): "
         "choose a directory on a writable filesystem")
     assert user_error_line(RuntimeError("a bug"), places) is None
-    assert user_error_line(ValueError("say what to change"), places) == "say what to change"
+    assert user_error_line(FastdraftError("say what to change"), places) == "say what to change"
+    assert user_error_line(ValueError("a library's complaint"), places) is None   # a bug
 
 
 def test_an_error_outside_every_place_still_names_its_file():

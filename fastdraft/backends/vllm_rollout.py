@@ -37,6 +37,7 @@ from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.request import FinishReason
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
+from fastdraft.errors import FastdraftError
 from fastdraft.export import export_drafter
 from fastdraft.export.formats import architecture_for
 from fastdraft.export.names import to_engine_names
@@ -104,8 +105,8 @@ class VllmRollout:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
         if on_hidden is not None:
-            raise ValueError("rollout.backend=vllm captures no hidden states: an online drafter "
-                             "needs drafter.online.source=actor")
+            raise FastdraftError("rollout.backend=vllm captures no hidden states: an online "
+                                 "drafter needs drafter.online.source=actor")
         engine, base, n = self.llm.llm_engine, self.requests, len(prompt_token_ids)
         self.requests += n
         stop = sorted(self.host.eos_token_ids)
@@ -159,8 +160,8 @@ class VllmRollout:
             pushed.update(name for name, _ in bucket)
         missing = sorted(self.policy_names - pushed)
         if missing:   # what vLLM holds of those layers is now undefined: the run cannot go on
-            raise ValueError(f"rollout.backend=vllm takes whole policies: {len(missing)} "
-                             f"tensor(s) were not pushed ({', '.join(missing[:3])}, ...)")
+            raise FastdraftError(f"rollout.backend=vllm takes whole policies: {len(missing)} "
+                                 f"tensor(s) were not pushed ({', '.join(missing[:3])}, ...)")
         return version
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

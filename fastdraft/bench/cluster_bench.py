@@ -46,6 +46,7 @@ from fastdraft.bench.drafter_bench import drift_eval
 from fastdraft.cluster.simulator import SimConfig, StepShape, UnitCosts, projections, simulate_step
 from fastdraft.config import load_recipe
 from fastdraft.engine.request import prompt_key
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.loop import train_step
 from fastdraft.rl.run import Run
 
@@ -78,7 +79,7 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
                       seeds: int = 1) -> dict[str, Any]:
     import ray
     if seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        raise FastdraftError(f"--seeds must be >= 1, got {seeds}")
     base = load_recipe(recipe, [*RAY, "cluster.rollout_workers=2", *overrides])
     arms = dict(ARMS)
     for s in range(1, seeds):   # the seeded arms again, each with the next seed

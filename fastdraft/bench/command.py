@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastdraft.errors import FastdraftError
+
 if TYPE_CHECKING:  # annotations only
     import torch
 
@@ -100,21 +102,26 @@ def run_bench(args: argparse.Namespace) -> int:
         print("\n".join(projection_lines(run_projections(args.gpu_json, args.json))))
         return 0
     if args.simulate:
-        raise ValueError("--simulate is for `bench cluster` (the cluster simulator)")
+        raise FastdraftError("--simulate is for `bench cluster` (the cluster simulator)")
     if args.which in ("recipe", "drafter", "rollout", "cluster", "kv"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
     if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise ValueError("--repeats, --num-prompts and --max-new-tokens must be >= 1")
+        raise FastdraftError("--repeats, --num-prompts and --max-new-tokens must be >= 1")
     if args.which == "spec":  # checked before a drafter warm-up (minutes) can start
         from fastdraft.bench.spec_bench import METHODS
         unknown = set(args.methods.split(",")) - set(METHODS)
         if unknown:
-            raise ValueError(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
+            raise FastdraftError(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
         for t in args.temperatures.split(","):
-            if float(t) < 0:
-                raise ValueError(f"--temperatures: {t} < 0")
+            try:
+                value = float(t)
+            except ValueError:
+                raise FastdraftError(f"--temperatures takes comma-separated numbers, got "
+                                     f"{args.temperatures!r}") from None
+            if value < 0:
+                raise FastdraftError(f"--temperatures: {t} < 0")
     model_dir = resolve_model(args.model, args.cache_dir)
     prompts = [ids for ids, _, _ in heldout_prompts(model_dir, args.num_prompts, seed=1)]
     print(f"{len(prompts)} held-out prompts, answers up to {args.max_new_tokens} tokens; each row "
@@ -168,9 +175,9 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        raise FastdraftError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise ValueError(f"{flag} must all be >= 1, got {text!r}")
+        raise FastdraftError(f"{flag} must all be >= 1, got {text!r}")
     return values
 
 
@@ -186,7 +193,7 @@ def _bench_gpu(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
                          repeats=args.repeats, compile=not args.no_compile, device=device,
                          dtype=dtype or torch.bfloat16)
     if not torch.cuda.is_available():
-        raise ValueError("bench gpu needs a CUDA GPU (none is visible to torch here)")
+        raise FastdraftError("bench gpu needs a CUDA GPU (none is visible to torch here)")
     run_gpu_bench(cfg, args.json, parts=tuple(args.parts.split(",")))
     return 0
 

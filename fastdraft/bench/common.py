@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.atomic import atomic_write_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,7 +23,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name is None:
         return None
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
+        raise FastdraftError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
     return DTYPES[name]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastdraft.config import RunConfig
 from fastdraft.engine.envelope import Envelope
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.run_inputs import rollout_seq_len
 
 DEFAULT_TRACE = Path(__file__).with_name("traces") / "verl-issue-7412-step34.json"
@@ -32,8 +33,8 @@ def concurrency(cfg: RunConfig, trace_path: Path, block_size: int) -> dict[str, 
     trace = json.loads(Path(trace_path).read_text())
     for key in ("response_length", "response_cap", "prompt_length", "source"):
         if key not in trace:
-            raise ValueError(f"{trace_path}: a length trace needs {key!r} (see "
-                             f"{DEFAULT_TRACE.name})")
+            raise FastdraftError(f"{trace_path}: a length trace needs {key!r} (see "
+                                 f"{DEFAULT_TRACE.name})")
     budget = cfg.rollout.max_new_tokens
     answer = trace["response_length"]["mean"] / trace["response_cap"] * budget
     prompt = int(trace["prompt_length"])

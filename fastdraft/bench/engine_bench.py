@@ -16,6 +16,7 @@ import transformers
 
 from fastdraft.bench.common import device_name, interleaved_medians, print_table, write_json
 from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,9 +32,9 @@ class EngineBenchConfig:
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.max_new_tokens < 1:
-            raise ValueError("repeats and max_new_tokens must be >= 1")
+            raise FastdraftError("repeats and max_new_tokens must be >= 1")
         if not self.prompts:
-            raise ValueError("need at least one prompt")
+            raise FastdraftError("need at least one prompt")
 
 
 def _hf_generate(hf: Any, prompts: list[list[int]], max_new_tokens: int, eos: list[int],

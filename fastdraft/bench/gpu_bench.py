@@ -40,6 +40,7 @@ from fastdraft.engine.scheduler import Scheduler
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.step_io import SamplingMode
+from fastdraft.errors import FastdraftError
 
 # Strategies a tuner would switch between (depth, topk, tokens_to_verify); the first is the
 # cycle measured.
@@ -62,10 +63,10 @@ class GpuBenchConfig:
 
     def __post_init__(self) -> None:
         if not str(self.device).startswith("cuda"):
-            raise ValueError("bench gpu measures CUDA graphs: pass --device cuda on a GPU "
-                             "machine (bench spec / engine run on the CPU)")
+            raise FastdraftError("bench gpu measures CUDA graphs: pass --device cuda on a GPU "
+                                 "machine (bench spec / engine run on the CPU)")
         if self.num_steps < 2 or self.repeats < 1:
-            raise ValueError("num_steps must be >= 2 and repeats >= 1")
+            raise FastdraftError("num_steps must be >= 2 and repeats >= 1")
 
 
 def measure_bandwidth(device: str, num_bytes: int = 2 << 30) -> float:

@@ -36,6 +36,7 @@ from fastdraft.engine import RolloutEngine
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM
 from fastdraft.rl.run import DTYPES
 from fastdraft.rl.run_inputs import rollout_seq_len
@@ -51,7 +52,7 @@ def run_kv_bench(recipe: Path, overrides: list[str], out_dir: Path,
                  shapes_recipe: Path = Path("recipes/qwen3-8b-grpo.yaml")) -> dict[str, Any]:
     cfg = load_recipe(recipe, overrides)
     if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+        raise FastdraftError(f"rounds must be >= 1, got {rounds}")
     fits = {"recipe": str(shapes_recipe),
             **concurrency(load_recipe(shapes_recipe, []), trace or DEFAULT_TRACE, KV_BLOCK_SIZE)}
     policy_dir, drafter, prompts = recipe_batch(cfg, cache_dir)

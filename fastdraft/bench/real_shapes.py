@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fastdraft.drafter import Drafter, build_drafter
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 
 _QWEN25 = dict(model_type="qwen2", vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -27,7 +28,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def shape_config(name: str) -> ModelConfig:
     if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
+        raise FastdraftError(f"unknown shape {name!r}; choose one of {sorted(SHAPES)}")
     return ModelConfig.from_hf_dict(SHAPES[name])
 
 

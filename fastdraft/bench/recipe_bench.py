@@ -37,6 +37,7 @@ from typing import Any
 from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
 from fastdraft.config.sections.rollout import ROLLOUT_BACKENDS
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.loop import rollout, train_step
 from fastdraft.rl.run import Run
 
@@ -47,14 +48,14 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
                      paired_seeds: int = 4) -> dict[str, Any]:
     base = load_recipe(recipe, overrides)
     if not base.rollout.spec.enabled:
-        raise ValueError(f"{recipe} does not speculate (rollout.spec.method=none): nothing to "
-                         "compare; set rollout.spec.method")
+        raise FastdraftError(f"{recipe} does not speculate (rollout.spec.method=none): nothing to "
+                             "compare; set rollout.spec.method")
     if base.actor.num_ranks > 1:   # each actor's rank 0 holds this process's default group
-        raise ValueError(f"bench recipe runs its arms' actors in one process: a sharded actor "
-                         f"(actor.num_ranks={base.actor.num_ranks}) cannot be one of several "
-                         f"there; add actor.num_ranks=1 (what is compared is the rollout)")
+        raise FastdraftError(f"bench recipe runs its arms' actors in one process: a sharded actor "
+                             f"(actor.num_ranks={base.actor.num_ranks}) cannot be one of several "
+                             f"there; add actor.num_ranks=1 (what is compared is the rollout)")
     if paired_seeds < 0:
-        raise ValueError(f"--paired-seeds must be >= 0, got {paired_seeds}")
+        raise FastdraftError(f"--paired-seeds must be >= 0, got {paired_seeds}")
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false"]
     arms = _arms(base.rollout.spec.method, base.drafter.online.enabled, backends)
     runs: dict[str, Run] = {}
@@ -153,8 +154,8 @@ def _arms(method: str, online: bool, backends: list[str] | None) -> dict[str, li
                 "on": [f"rollout.spec.method={method}"]}
     unknown = sorted(set(backends) - set(ROLLOUT_BACKENDS))
     if unknown or len(backends) != 2 or len(set(backends)) != 2:
-        raise ValueError(f"--backends: two of {', '.join(ROLLOUT_BACKENDS)} (e.g. native,vllm), "
-                         f"got {','.join(backends)}")
+        raise FastdraftError(f"--backends: two of {', '.join(ROLLOUT_BACKENDS)} (e.g. "
+                             f"native,vllm), got {','.join(backends)}")
     # vLLM has neither the tuner nor budgets: both arms serve the recipe's drafter without
     arms = {b: [f"rollout.backend={b}", "rollout.tuner.enabled=false",
                 "rollout.budget.enabled=false"] for b in backends}

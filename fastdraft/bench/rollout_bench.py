@@ -31,6 +31,7 @@ from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import OFF, arm_name
 from fastdraft.engine.trace import RolloutTrace
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.prompts import PromptSource
 from fastdraft.rl.run import DTYPES
 from fastdraft.rl.run_inputs import resolve_drafter, resolve_policy, rollout_seq_len
@@ -42,10 +43,10 @@ def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,
     cfg = load_recipe(recipe, overrides)
     spec = cfg.rollout.spec
     if not spec.enabled:
-        raise ValueError(f"{recipe}: rollout.spec.method is none; the bench compares "
-                         "speculative arms, set one (e.g. rollout.spec.method=eagle)")
+        raise FastdraftError(f"{recipe}: rollout.spec.method is none; the bench compares "
+                             "speculative arms, set one (e.g. rollout.spec.method=eagle)")
     if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+        raise FastdraftError(f"rounds must be >= 1, got {rounds}")
     policy_dir, drafter, prompts = recipe_batch(cfg, cache_dir)
     max_seq_len = rollout_seq_len(cfg)
     tuner = cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)

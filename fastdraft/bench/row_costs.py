@@ -22,6 +22,7 @@ from fastdraft.bench.common import interleaved_medians
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.tree import ROOT, DraftTree
+from fastdraft.errors import FastdraftError
 
 
 def _trees(num_rows: int, width: int, vocab: int, seed: int = 0) -> list[DraftTree]:
@@ -37,7 +38,7 @@ def row_costs(runner: ModelRunner, batch: int, context: int, width: int, tree_ro
     """Milliseconds of the three forwards and the unit costs (module doc). context: cells each
     row has before the step (<= the runner's cache length - width - 2)."""
     if not 0 < tree_rows < batch:
-        raise ValueError(f"tree_rows must be in (0, batch), got {tree_rows} of {batch}")
+        raise FastdraftError(f"tree_rows must be in (0, batch), got {tree_rows} of {batch}")
     device, vocab = runner.device, runner.model.config.vocab_size
     root_ids = torch.randint(vocab, (batch,), device=device)
     root_pos = torch.full((batch,), context, device=device)

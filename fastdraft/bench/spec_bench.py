@@ -22,6 +22,7 @@ from fastdraft.bench.step_costs import stage_costs
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.errors import FastdraftError
 
 METHODS = ("none", "eagle", "suffix")
 
@@ -46,11 +47,11 @@ class SpecBenchConfig:
     def __post_init__(self) -> None:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+            raise FastdraftError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
         if not self.prompts:
-            raise ValueError("need at least one prompt")
+            raise FastdraftError("need at least one prompt")
         if self.repeats < 1:
-            raise ValueError("repeats must be >= 1")
+            raise FastdraftError("repeats must be >= 1")
 
 
 def _engine(cfg: SpecBenchConfig, method: str, max_batch: int) -> RolloutEngine:

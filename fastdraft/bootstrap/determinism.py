@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.digest import tensor_digest
 
 
@@ -38,7 +39,7 @@ def deterministic_cpu(num_threads: int) -> Iterator[None]:
     """Runs the block with ``num_threads`` intra-op threads, deterministic algorithms on and IEEE
     fp32 matmuls; the previous settings come back afterwards, even on error."""
     if num_threads < 1:
-        raise ValueError(f"num_threads={num_threads}: use 1 or more")
+        raise FastdraftError(f"num_threads={num_threads}: use 1 or more")
     mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
     before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled(),

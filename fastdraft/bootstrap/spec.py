@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.registry import Registry
 
 #: Bumped whenever encoding or training changes meaning, so stale caches are not reused.
@@ -92,32 +93,34 @@ class BootstrapSpec:
                      "num_threads", "num_heldout", "eval_batch_size", "max_new_tokens",
                      "restart_after", "max_attempts"):
             if getattr(self, name) < 1:
-                raise ValueError(f"BootstrapSpec.{name} must be >= 1, got {getattr(self, name)}")
+                raise FastdraftError(f"BootstrapSpec.{name} must be >= 1, got "
+                                     f"{getattr(self, name)}")
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"BootstrapSpec.architecture={self.architecture!r}: choose one of "
-                             f"{list(ARCHITECTURES)}")
+            raise FastdraftError(f"BootstrapSpec.architecture={self.architecture!r}: choose one of "
+                                 f"{list(ARCHITECTURES)}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_heads={self.num_heads}: change one of them, or set head_dim")
+            raise FastdraftError(f"hidden_size={self.hidden_size} is not a multiple of "
+                                 f"num_heads={self.num_heads}: change one of them, or set head_dim")
         if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
-            raise ValueError(f"head_dim={self.head_dim} must be an even number >= 2 (rotary "
-                             "embeddings rotate pairs of channels)")
+            raise FastdraftError(f"head_dim={self.head_dim} must be an even number >= 2 (rotary "
+                                 "embeddings rotate pairs of channels)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}: change one of them")
+            raise FastdraftError(f"num_heads={self.num_heads} is not a multiple of "
+                                 f"num_kv_heads={self.num_kv_heads}: change one of them")
         if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+            raise FastdraftError(f"warmup_steps={self.warmup_steps} must be in [0, "
+                                 f"steps={self.steps})")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+            raise FastdraftError("lr must be > 0 and min_lr_ratio in [0, 1]")
         if not 0 <= self.stop_at_short_accuracy <= 1:
-            raise ValueError(f"stop_at_short_accuracy={self.stop_at_short_accuracy} must be in "
-                             "[0, 1] (0 trains all steps)")
+            raise FastdraftError(f"stop_at_short_accuracy={self.stop_at_short_accuracy} must be in "
+                                 "[0, 1] (0 trains all steps)")
         if not 0 <= self.restart_below <= 1:
-            raise ValueError(f"restart_below={self.restart_below} must be in [0, 1] (0 never "
-                             "restarts)")
+            raise FastdraftError(f"restart_below={self.restart_below} must be in [0, 1] (0 never "
+                                 "restarts)")
         if not 0 < self.thin_keep <= 1:
-            raise ValueError(f"thin_keep={self.thin_keep} must be in (0, 1] (1 keeps every "
-                             "long problem)")
+            raise FastdraftError(f"thin_keep={self.thin_keep} must be in (0, 1] (1 keeps every "
+                                 "long problem)")
 
     @property
     def attention_head_dim(self) -> int:
@@ -157,5 +160,5 @@ BOOTSTRAP_SPECS.register("tiny-qwen3")(BootstrapSpec(
 
 
 def get_spec(name: str) -> BootstrapSpec:
-    """The named spec; an unknown name raises ValueError listing the known ones."""
+    """The named spec; an unknown name raises a FastdraftError listing the known ones."""
     return BOOTSTRAP_SPECS.get(name)

@@ -21,6 +21,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import BPE
 
+from fastdraft.errors import FastdraftError
+
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 BOS_TOKEN = "<bos>"
@@ -37,14 +39,15 @@ _VOCAB_MULTIPLE = 16
 
 def _check_alphabet(alphabet: str) -> None:
     if not alphabet:
-        raise ValueError("alphabet is empty: pass the characters the tokenizer must know")
+        raise FastdraftError("alphabet is empty: pass the characters the tokenizer must know")
     seen: set[str] = set()
     duplicates = sorted({ch for ch in alphabet if ch in seen or seen.add(ch)})
     if duplicates:
-        raise ValueError(f"alphabet repeats characters {duplicates!r}: list each character once")
+        raise FastdraftError(f"alphabet repeats characters {duplicates!r}: list each character "
+                             "once")
     clashes = [tok for tok in SPECIAL_TOKENS if tok in alphabet]
     if clashes:
-        raise ValueError(f"alphabet contains special token text {clashes!r}: remove it")
+        raise FastdraftError(f"alphabet contains special token text {clashes!r}: remove it")
 
 
 def vocab_size_for(alphabet: str) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.file_digest import CorruptFileError, check_file, file_sha256, tree_files
 
 FORMAT = 2   # 2: optimizer state keyed by parameter name (FSDP2 full state dict)
@@ -36,7 +37,7 @@ MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CorruptCheckpointError(ValueError):
+class CorruptCheckpointError(FastdraftError):
     """A checkpoint directory that is incomplete or damaged; the message names the file."""
 
     def __init__(self, ckpt: Path, file: str, reason: str) -> None:

@@ -21,6 +21,7 @@ from fastdraft.checkpoint.layout import (
 )
 from fastdraft.checkpoint.state import LoadedState, RngState
 from fastdraft.checkpoint.tree import unflatten
+from fastdraft.errors import FastdraftError
 from fastdraft.models import load_named_tensors
 from fastdraft.models.loading import iter_safetensors
 
@@ -38,17 +39,18 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
     validate(path, digests=digests)
     state = _read(path, STATE_FILE, lambda p: json.loads(p.read_text()))
     if state.get("format") != FORMAT:
-        raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}; this fastdraft "
-                         f"reads format {FORMAT}: resume with the fastdraft that wrote it")
+        raise FastdraftError(f"{path / STATE_FILE} has format {state.get('format')!r}; this "
+                             "fastdraft "
+                             f"reads format {FORMAT}: resume with the fastdraft that wrote it")
     tensors = _read(path, TENSORS_FILE, lambda p: load_file(str(p)))
     if model is not None:
         loaded = set(_read(path, MODEL_DIR,
                            lambda p: load_named_tensors(model, iter_safetensors(p))))
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
-            raise ValueError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of "
-                             f"this model, e.g. {sorted(missing)[:3]}: was it saved from "
-                             "another model?")
+            raise FastdraftError(f"checkpoint {path / MODEL_DIR} lacks {len(missing)} weights of "
+                                 f"this model, e.g. {sorted(missing)[:3]}: was it saved from "
+                                 "another model?")
     trees = _read(path, TENSORS_FILE, lambda _: {k: unflatten(state.get(k), tensors)
                                                   for k in ("optimizer", "scheduler", "rng",
                                                             "drafter")})
@@ -56,8 +58,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
         optimizer.load_state_dict(trees["optimizer"])
     if scheduler is not None:
         if trees["scheduler"] is None:
-            raise ValueError(f"checkpoint {path} has no LR scheduler state (it was saved with "
-                             "TrainState.scheduler=None): build the run without a scheduler")
+            raise FastdraftError(f"checkpoint {path} has no LR scheduler state (it was saved with "
+                                 "TrainState.scheduler=None): build the run without a scheduler")
         scheduler.load_state_dict(trees["scheduler"])
     RngState.from_tree(trees["rng"]).restore()
     config = _read(path, CONFIG_FILE, lambda p: json.loads(p.read_text()))

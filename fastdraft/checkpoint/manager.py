@@ -23,6 +23,7 @@ from fastdraft.checkpoint.load import load_checkpoint
 from fastdraft.checkpoint.snapshot import HostMirror, take_snapshot
 from fastdraft.checkpoint.state import LoadedState, TrainState
 from fastdraft.checkpoint.write import write_checkpoint
+from fastdraft.errors import FastdraftError
 
 
 class CheckpointWarning(UserWarning):
@@ -45,7 +46,7 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | Path, keep: int) -> None:
         if keep < 1:
-            raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
+            raise FastdraftError(f"keep must be >= 1 (checkpoints to keep), got {keep}")
         self.root = Path(run_dir) / "checkpoints"
         self.keep = keep
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastdraft-ckpt")

@@ -13,6 +13,7 @@ import torch
 from fastdraft.checkpoint.layout import FORMAT
 from fastdraft.checkpoint.state import TrainState
 from fastdraft.checkpoint.tree import flatten
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 
 
@@ -68,7 +69,7 @@ def take_snapshot(step: int, state: TrainState, mirror: HostMirror) -> Snapshot:
     be saved (a Path in the config, an unknown object in the optimizer state) fails here, in
     the caller, instead of later in the writer thread."""
     if step != state.step:
-        raise ValueError(f"save(step={step}) was given a TrainState of step {state.step}")
+        raise FastdraftError(f"save(step={step}) was given a TrainState of step {state.step}")
     tensors: dict[str, torch.Tensor] = {}
     tree = {"format": FORMAT, "step": step,
             "optimizer": flatten(state.optimizer, "optimizer", tensors),
@@ -89,8 +90,8 @@ def _dumps(obj: dict[str, Any], name: str) -> str:
     try:
         return json.dumps(obj, indent=2, sort_keys=True)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"TrainState.{name} must be JSON-serialisable ({e}): convert "
-                         "dataclasses with dataclasses.asdict and paths with str") from e
+        raise FastdraftError(f"TrainState.{name} must be JSON-serialisable ({e}): convert "
+                             "dataclasses with dataclasses.asdict and paths with str") from e
 
 
 def _empty(config: ModelConfig) -> CausalLM:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 
 
@@ -41,9 +42,9 @@ class RngState:
         if not self.torch_cuda or not torch.cuda.is_available():
             return
         if len(self.torch_cuda) != torch.cuda.device_count():
-            raise ValueError(f"the checkpoint has CUDA RNG states for {len(self.torch_cuda)} "
-                             f"devices, this process sees {torch.cuda.device_count()}: resume "
-                             "with the same CUDA_VISIBLE_DEVICES as the run that saved it")
+            raise FastdraftError(f"the checkpoint has CUDA RNG states for {len(self.torch_cuda)} "
+                                 f"devices, this process sees {torch.cuda.device_count()}: resume "
+                                 "with the same CUDA_VISIBLE_DEVICES as the run that saved it")
         torch.cuda.set_rng_state_all(list(self.torch_cuda))
 
     def as_tree(self) -> dict[str, Any]:
@@ -79,14 +80,14 @@ class TrainState:
 
     def __post_init__(self) -> None:
         if not isinstance(self.step, int) or self.step < 0:
-            raise ValueError(f"TrainState.step must be an int >= 0, got {self.step!r}")
+            raise FastdraftError(f"TrainState.step must be an int >= 0, got {self.step!r}")
         if not isinstance(getattr(self.model, "config", None), ModelConfig):
-            raise ValueError(f"TrainState.model must be a fastdraft CausalLM (saved in HF "
-                             f"format), got {type(self.model).__name__}")
+            raise FastdraftError(f"TrainState.model must be a fastdraft CausalLM (saved in HF "
+                                 f"format), got {type(self.model).__name__}")
         for name in ("optimizer", "config", "extra"):
             if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"TrainState.{name} must be a dict, got "
-                                 f"{type(getattr(self, name)).__name__}")
+                raise FastdraftError(f"TrainState.{name} must be a dict, got "
+                                     f"{type(getattr(self, name)).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

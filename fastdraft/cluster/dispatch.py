@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.registry import Registry
 
 DispatchFn = Callable[[list[float], int], list[int]]
@@ -17,7 +18,7 @@ _DISPATCH: Registry[DispatchFn] = Registry("dispatch policy")
 def assign_groups(costs: list[float], workers: int, policy: str) -> list[int]:
     """The worker of each group, given the groups' predicted costs (e.g. answer tokens)."""
     if workers < 1:
-        raise ValueError(f"dispatch needs >= 1 worker, got {workers}")
+        raise FastdraftError(f"dispatch needs >= 1 worker, got {workers}")
     return _DISPATCH.get(policy)(list(costs), workers)
 
 

@@ -42,6 +42,7 @@ from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
+from fastdraft.errors import FastdraftError
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.utils.weight_buckets import weight_buckets
 
@@ -110,17 +111,17 @@ class RolloutPool:
             return device
         gpu, node = ray.get(self.workers[0].gpu.remote())
         if node != ray.get_runtime_context().get_node_id():
-            raise ValueError("cluster.placement=colocated: rollout worker 0 is on another node "
-                             "than the driver, whose process is the actor's rank 0; start "
-                             "the run on a node with GPUs of the cluster")
+            raise FastdraftError("cluster.placement=colocated: rollout worker 0 is on another node "
+                                 "than the driver, whose process is the actor's rank 0; start "
+                                 "the run on a node with GPUs of the cluster")
         return cuda_name(gpu)
 
     def actor_rank_options(self, rank: int) -> dict[str, Any]:
         """Where colocated actor rank `rank` (1..N-1) goes: rollout worker `rank`'s bundle and
         device, no cores of its own (it computes while the worker sleeps)."""
         if not self.colocated:
-            raise ValueError("actor ranks share the rollout workers' bundles only with "
-                             "cluster.placement=colocated")
+            raise FastdraftError("actor ranks share the rollout workers' bundles only with "
+                                 "cluster.placement=colocated")
         return {"num_cpus": 0, **self._in_bundle(rank, ACTOR_GPU_SHARE)}
 
     def trainer_options(self, index: int | None = None) -> dict[str, Any]:
@@ -167,7 +168,7 @@ class RolloutPool:
         import ray
         n, size = len(prompt_token_ids), self.group_size
         if n % size:
-            raise ValueError(f"{n} prompts are not whole groups of {size}")
+            raise FastdraftError(f"{n} prompts are not whole groups of {size}")
         groups = [list(range(g, g + size)) for g in range(0, n, size)]
         costs = [self._lengths.get(prompt_key(prompt_token_ids[g[0]]), self._mean_length())
                  for g in groups]

@@ -111,6 +111,6 @@ def cuda_name(gpu_id: str, visible: str | None = None) -> str:
         return f"cuda:{int(gpu_id)}"
     listed = [v.strip() for v in visible.split(",")]
     if gpu_id not in listed:
-        raise ValueError(f"GPU {gpu_id} (rollout worker 0's) is not in this process's "
-                         f"CUDA_VISIBLE_DEVICES={visible}")
+        raise FastdraftError(f"GPU {gpu_id} (rollout worker 0's) is not in this process's "
+                             f"CUDA_VISIBLE_DEVICES={visible}")
     return f"cuda:{listed.index(gpu_id)}"

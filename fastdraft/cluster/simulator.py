@@ -29,6 +29,7 @@ from fastdraft.cluster.timeline import Span
 from fastdraft.cluster.unit_costs import UnitCosts
 from fastdraft.cluster.workload import StepShape, load_shapes, long_tail_lengths, save_shapes
 from fastdraft.config.sections.cluster import DISPATCH
+from fastdraft.errors import FastdraftError
 
 # Re-exported: the simulator's whole API from one import.
 __all__ = ["DISPATCH", "MODES", "SimConfig", "StepResult", "StepShape", "UnitCosts", "WorkerSpan",
@@ -64,16 +65,16 @@ class SimConfig:
         for name in ("workers", "max_batch"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"SimConfig.{name} must be an integer >= 1, got {value!r}")
+                raise FastdraftError(f"SimConfig.{name} must be an integer >= 1, got {value!r}")
         if self.dispatch not in DISPATCH:
-            raise ValueError(f"SimConfig.dispatch must be one of {DISPATCH}, got "
-                             f"{self.dispatch!r}")
+            raise FastdraftError(f"SimConfig.dispatch must be one of {DISPATCH}, got "
+                                 f"{self.dispatch!r}")
         if not (isinstance(self.consolidate_below, int) and self.consolidate_below >= 0):
-            raise ValueError(f"SimConfig.consolidate_below must be an integer >= 0, got "
-                             f"{self.consolidate_below!r}")
+            raise FastdraftError(f"SimConfig.consolidate_below must be an integer >= 0, got "
+                                 f"{self.consolidate_below!r}")
         if not (math.isfinite(self.train_s_per_refresh) and self.train_s_per_refresh >= 0):
-            raise ValueError(f"SimConfig.train_s_per_refresh must be finite and >= 0, got "
-                             f"{self.train_s_per_refresh!r}")
+            raise FastdraftError(f"SimConfig.train_s_per_refresh must be finite and >= 0, got "
+                                 f"{self.train_s_per_refresh!r}")
 
 
 @dataclass
@@ -109,14 +110,14 @@ def simulate_step(shape: StepShape, costs: UnitCosts, cfg: SimConfig, mode: str,
     """One RL step in `mode` (MODES) at `accept_length` tokens a row a verify step (>= 1; plain
     decoding gains one token a step and does not use it)."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise FastdraftError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "spec_consolidated" and cfg.consolidate_below <= 0:
-        raise ValueError("mode spec_consolidated needs SimConfig.consolidate_below > 0 (the row "
-                         "count under which a worker hands its tail off)")
+        raise FastdraftError("mode spec_consolidated needs SimConfig.consolidate_below > 0 (the "
+                             "row count under which a worker hands its tail off)")
     if not (isinstance(accept_length, int | float) and math.isfinite(accept_length)
             and accept_length >= 1):
-        raise ValueError(f"accept_length must be finite and >= 1 (a verify step commits at least "
-                         f"one token), got {accept_length!r}")
+        raise FastdraftError("accept_length must be finite and >= 1 (a verify step commits at "
+                             f"least one token), got {accept_length!r}")
     accept = 1.0 if mode == "plain" else float(accept_length)
     setup = RolloutSetup(workers=cfg.workers, max_batch=cfg.max_batch, dispatch=cfg.dispatch,
                          speculative=mode != "plain", accept=accept,
@@ -156,7 +157,7 @@ def simulate_run(shapes: list[StepShape], costs: UnitCosts, cfg: SimConfig,
     whose idle training reached cfg.train_s_per_refresh (and was not nothing), else grows by 1."""
     modes = tuple(modes)
     if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"modes must be a non-empty selection of {MODES}, got {modes!r}")
+        raise FastdraftError(f"modes must be a non-empty selection of {MODES}, got {modes!r}")
     lookup = _accept_lookup(accept_by_staleness) if set(modes) - {"plain"} else None
     out: dict[str, list[StepResult]] = {}
     for mode in modes:
@@ -179,12 +180,12 @@ def simulate_run(shapes: list[StepShape], costs: UnitCosts, cfg: SimConfig,
 
 def _accept_lookup(table: AcceptTable | None) -> Callable[[int], float]:
     if table is None:
-        raise ValueError("the speculative modes need accept_by_staleness (a function or a "
-                         "{staleness: accept length} table)")
+        raise FastdraftError("the speculative modes need accept_by_staleness (a function or a "
+                             "{staleness: accept length} table)")
     if callable(table):
         return table
     if not table:
-        raise ValueError("accept_by_staleness table is empty")
+        raise FastdraftError("accept_by_staleness table is empty")
     keys = sorted(table)
 
     def lookup(staleness: int) -> float:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.atomic import atomic_write_text
 
 STATES = ("generate", "idle", "train", "update", "push")
@@ -36,15 +37,16 @@ class Span:
         # Checked here, not when drawn: a bad span found at plot time, steps later, no longer
         # points at the code that recorded it.
         if not isinstance(self.worker, str) or not self.worker:
-            raise ValueError(f"span worker must be a non-empty name, got {self.worker!r}")
+            raise FastdraftError(f"span worker must be a non-empty name, got {self.worker!r}")
         if self.state not in STATES:
-            raise ValueError(f"span state {self.state!r} of {self.worker} is not one of {STATES}")
+            raise FastdraftError(f"span state {self.state!r} of {self.worker} is not one of "
+                                 f"{STATES}")
         if not (math.isfinite(self.start_s) and self.start_s >= 0):
-            raise ValueError(f"span start_s {self.start_s!r} of {self.worker} must be finite "
-                             "and >= 0 (seconds since the step started)")
+            raise FastdraftError(f"span start_s {self.start_s!r} of {self.worker} must be finite "
+                                 "and >= 0 (seconds since the step started)")
         if not (math.isfinite(self.end_s) and self.end_s >= self.start_s):
-            raise ValueError(f"span end_s {self.end_s!r} of {self.worker} must be finite and "
-                             f">= start_s {self.start_s!r}")
+            raise FastdraftError(f"span end_s {self.end_s!r} of {self.worker} must be finite and "
+                                 f">= start_s {self.start_s!r}")
 
     @property
     def duration_s(self) -> float:

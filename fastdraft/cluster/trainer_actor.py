@@ -24,6 +24,7 @@ import torch
 
 from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.databuffer import Sample
+from fastdraft.errors import FastdraftError
 from fastdraft.trainer.service import (
     TrainerHandle,
     TrainerService,
@@ -77,7 +78,7 @@ class TrainerActor:
         straight from the worker's object store."""
         for method, args in calls:
             if method not in FEED:
-                raise ValueError(f"TrainerActor.apply: {method!r} is not one of {FEED}")
+                raise FastdraftError(f"TrainerActor.apply: {method!r} is not one of {FEED}")
             getattr(self.service, method)(*map(resolved, args))
 
     def go(self) -> None:

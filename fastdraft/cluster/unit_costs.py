@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from fastdraft.errors import FastdraftError
+
 # The depth of the speculative cycle `fastdraft bench gpu` measures (its STRATEGIES[0]): the
 # cycle rows do not repeat it, and importing the bench would import torch. A payload whose
 # "graph_memory" part is present names it (its first strategy), and that wins.
@@ -44,12 +46,12 @@ class UnitCosts:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"UnitCosts.{f.name} must be a number, got {value!r}")
+                raise FastdraftError(f"UnitCosts.{f.name} must be a number, got {value!r}")
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"UnitCosts.{f.name} must be finite and >= 0, got {value!r}")
+                raise FastdraftError(f"UnitCosts.{f.name} must be finite and >= 0, got {value!r}")
         if not float(self.draft_levels).is_integer():
-            raise ValueError(f"UnitCosts.draft_levels must be a whole number, got "
-                             f"{self.draft_levels!r}")
+            raise FastdraftError(f"UnitCosts.draft_levels must be a whole number, got "
+                                 f"{self.draft_levels!r}")
 
     def step_s(self, rows: int) -> float:
         """A plain decode step over `rows` rows."""
@@ -66,11 +68,11 @@ class UnitCosts:
         cheaper with more rows, or costs less than nothing): with the other refitted under the
         clamp, which is the constrained least-squares optimum. `rest`: the other fields."""
         if len(rows) != len(seconds) or len(rows) < 2:
-            raise ValueError(f"UnitCosts.fit needs two or more (rows, seconds) pairs of equal "
-                             f"length, got {len(rows)} rows and {len(seconds)} seconds")
+            raise FastdraftError(f"UnitCosts.fit needs two or more (rows, seconds) pairs of equal "
+                                 f"length, got {len(rows)} rows and {len(seconds)} seconds")
         if len(set(rows)) < 2:
-            raise ValueError(f"UnitCosts.fit needs at least two distinct row counts to fit a "
-                             f"line, got {sorted(set(rows))}")
+            raise FastdraftError(f"UnitCosts.fit needs at least two distinct row counts to fit a "
+                                 f"line, got {sorted(set(rows))}")
         n = len(rows)
         mean_x, mean_y = sum(rows) / n, sum(seconds) / n
         sxx = sum((x - mean_x) ** 2 for x in rows)
@@ -100,16 +102,17 @@ class UnitCosts:
           draft_level_s = draft_tree_ms / depth, draft_levels = depth (the cycle's depth:
           "graph_memory"'s first strategy if present, else BENCH_CYCLE_DEPTH);
         - everything else (prefill, update, push) from `rest`, which also overrides any of
-          the above. A missing key raises ValueError naming it."""
+          the above. A missing key raises a FastdraftError naming it."""
         decode = _rows(payload, "decode")
         if context is not None:
             decode = [r for r in decode if _key(r, "context", "decode row") == context]
             if not decode:
-                raise ValueError(f"bench gpu payload has no decode row at context {context}")
+                raise FastdraftError(f"bench gpu payload has no decode row at context {context}")
         variant = next((v for v in DECODE_VARIANTS if all(v in r for r in decode)), None)
         if variant is None:
-            raise ValueError(f"bench gpu decode rows lack a step time: none of {DECODE_VARIANTS} "
-                             f"is in every row")
+            raise FastdraftError("bench gpu decode rows lack a step time: none of "
+                                 f"{DECODE_VARIANTS} "
+                                 f"is in every row")
         rows = [int(_key(r, "batch_size", "decode row")) for r in decode]
         seconds = [float(r[variant]) / 1e3 for r in decode]
         derived: dict[str, Any] = {}
@@ -123,27 +126,27 @@ class UnitCosts:
 def _rows(payload: dict[str, Any], name: str) -> list[dict[str, Any]]:
     rows = payload.get(name) if isinstance(payload, dict) else None
     if not isinstance(rows, list) or not rows:
-        raise ValueError(f"bench gpu payload lacks {name!r} rows (run `fastdraft bench gpu` with "
-                         f"that part)")
+        raise FastdraftError(f"bench gpu payload lacks {name!r} rows (run `fastdraft bench gpu` "
+                             f"with that part)")
     return rows
 
 
 def _key(row: dict[str, Any], key: str, where: str) -> Any:
     if key not in row:
-        raise ValueError(f"bench gpu {where} lacks {key!r}: {sorted(row)}")
+        raise FastdraftError(f"bench gpu {where} lacks {key!r}: {sorted(row)}")
     return row[key]
 
 
 def _cycle_costs(payload: dict[str, Any], mode: str) -> dict[str, Any]:
     rows = [r for r in _rows(payload, "cycle") if r.get("mode") == mode]
     if not rows:
-        raise ValueError(f"bench gpu cycle rows have no mode {mode!r}")
+        raise FastdraftError(f"bench gpu cycle rows have no mode {mode!r}")
     row = min(rows, key=lambda r: _key(r, "draft_vocab", "cycle row"))
     decode_ms, verify_ms, commit_ms, tree_ms = (
         float(_key(row, k, "cycle row"))
         for k in ("decode_ms", "verify_ms", "commit_ms", "draft_tree_ms"))
     if decode_ms <= 0:
-        raise ValueError(f"bench gpu cycle row's decode_ms must be > 0, got {decode_ms}")
+        raise FastdraftError(f"bench gpu cycle row's decode_ms must be > 0, got {decode_ms}")
     strategies = (payload.get("graph_memory") or {}).get("strategies")
     depth = int(strategies[0][0]) if strategies else BENCH_CYCLE_DEPTH
     return dict(verify_factor=(verify_ms + commit_ms) / decode_ms, draft_levels=depth,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
+from fastdraft.errors import FastdraftError
+
 # The share of the log-length variance that a prompt's group shares (its difficulty): samples of
 # one prompt are closer to each other than to other prompts' samples, which is what makes whole
 # groups long or short and dispatch of whole groups matter. Synthetic, a modelling choice.
@@ -34,21 +36,22 @@ class StepShape:
         if self.predicted is not None:
             object.__setattr__(self, "predicted", tuple(self.predicted))
         if not self.lengths:
-            raise ValueError("StepShape.lengths must not be empty")
+            raise FastdraftError("StepShape.lengths must not be empty")
         if not all(_is_int(n) and n >= 1 for n in self.lengths):
-            raise ValueError("StepShape.lengths must be whole numbers >= 1 (tokens)")
+            raise FastdraftError("StepShape.lengths must be whole numbers >= 1 (tokens)")
         if not (_is_int(self.group_size) and self.group_size >= 1):
-            raise ValueError(f"StepShape.group_size must be >= 1, got {self.group_size!r}")
+            raise FastdraftError(f"StepShape.group_size must be >= 1, got {self.group_size!r}")
         if len(self.lengths) % self.group_size:
-            raise ValueError(f"StepShape.lengths ({len(self.lengths)}) must be whole groups of "
-                             f"group_size {self.group_size}")
+            raise FastdraftError(f"StepShape.lengths ({len(self.lengths)}) must be whole groups of "
+                                 f"group_size {self.group_size}")
         if not (_is_int(self.prompt_tokens) and self.prompt_tokens >= 0):
-            raise ValueError(f"StepShape.prompt_tokens must be >= 0, got {self.prompt_tokens!r}")
+            raise FastdraftError("StepShape.prompt_tokens must be >= 0, got "
+                                 f"{self.prompt_tokens!r}")
         if self.predicted is not None and (
                 len(self.predicted) != len(self.lengths)
                 or not all(isinstance(p, int | float) and math.isfinite(p) and p >= 0
                            for p in self.predicted)):
-            raise ValueError("StepShape.predicted must hold one finite length >= 0 per request")
+            raise FastdraftError("StepShape.predicted must hold one finite length >= 0 per request")
 
     @property
     def num_groups(self) -> int:
@@ -71,10 +74,11 @@ def long_tail_lengths(n: int, group_size: int, mean: float, p99_over_mean: float
     variance. Reproducible from `seed` (random.Random). Not measured data: a stand-in for
     recorded shapes (`load_shapes`) when projecting."""
     if n < 1 or group_size < 1 or n % group_size:
-        raise ValueError(f"long_tail_lengths: n ({n}) must be a positive multiple of group_size "
-                         f"({group_size})")
+        raise FastdraftError(f"long_tail_lengths: n ({n}) must be a positive multiple of "
+                             f"group_size ({group_size})")
     if not (mean >= 1 and max_len >= 1):
-        raise ValueError(f"long_tail_lengths: mean ({mean}) and max_len ({max_len}) must be >= 1")
+        raise FastdraftError(f"long_tail_lengths: mean ({mean}) and max_len ({max_len}) must be "
+                             ">= 1")
     sigma = _sigma_for(p99_over_mean)
     mu = math.log(mean) - sigma * sigma / 2  # E[exp(N(mu, sigma^2))] = mean
     prompt_sigma = sigma * math.sqrt(PROMPT_SHARE)
@@ -95,15 +99,15 @@ def _sigma_for(p99_over_mean: float) -> float:
     z = NormalDist().inv_cdf(0.99)
     top = math.exp(z * z / 2)
     if not 1 <= p99_over_mean < top:
-        raise ValueError(f"long_tail_lengths: p99_over_mean must be in [1, {top:.1f}) for a "
-                         f"lognormal, got {p99_over_mean}")
+        raise FastdraftError(f"long_tail_lengths: p99_over_mean must be in [1, {top:.1f}) for a "
+                             f"lognormal, got {p99_over_mean}")
     return z - math.sqrt(z * z - 2 * math.log(p99_over_mean))
 
 
 def load_shapes(path: str | Path) -> list[StepShape]:
     """Steps from JSON lines, one a step: {"step": int, "group_size": int, "lengths": [...],
     "prompt_tokens": int (default 0), "predicted": [...] (optional)}, in file order; blank lines
-    are skipped. A bad line raises ValueError naming the file and line."""
+    are skipped. A bad line raises a FastdraftError naming the file and line."""
     shapes = []
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     for number, line in enumerate(lines, start=1):
@@ -115,8 +119,8 @@ def load_shapes(path: str | Path) -> list[StepShape]:
                                     prompt_tokens=row.get("prompt_tokens", 0),
                                     predicted=row.get("predicted")))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{number}: not a step shape ({type(exc).__name__}: "
-                             f"{exc})") from None
+            raise FastdraftError(f"{path}:{number}: not a step shape ({type(exc).__name__}: "
+                                 f"{exc})") from None
     return shapes
 
 

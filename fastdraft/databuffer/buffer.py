@@ -27,6 +27,7 @@ from fastdraft.databuffer.packing import PackedBatch, pack, pack_rows
 from fastdraft.databuffer.sample import Sample, SampleKey, WindowKey
 from fastdraft.databuffer.spill import SpillStore, load_records
 from fastdraft.databuffer.windows import cut_windows, tokens_within
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,20 +83,20 @@ class DataBuffer:
                  max_sample_tokens: int | None = None, window_context: int = 0,
                  holdout_every: int = 0, holdout_tokens: int | None = None) -> None:
         if capacity_bytes < 1:
-            raise ValueError(f"DataBuffer capacity_bytes must be >= 1, got {capacity_bytes}")
+            raise FastdraftError(f"DataBuffer capacity_bytes must be >= 1, got {capacity_bytes}")
         if not 0.0 <= offset_mix <= 1.0:
-            raise ValueError(f"DataBuffer offset_mix must be in [0, 1], got {offset_mix}")
+            raise FastdraftError(f"DataBuffer offset_mix must be in [0, 1], got {offset_mix}")
         if not 0.0 < tail_fraction <= 1.0:
-            raise ValueError(f"DataBuffer tail_fraction must be in (0, 1], got {tail_fraction}")
+            raise FastdraftError(f"DataBuffer tail_fraction must be in (0, 1], got {tail_fraction}")
         if max_sample_tokens is not None and max_sample_tokens < 2:
-            raise ValueError(f"DataBuffer max_sample_tokens must be >= 2 (one pair) or None, got "
-                             f"{max_sample_tokens}")
+            raise FastdraftError("DataBuffer max_sample_tokens must be >= 2 (one pair) or None, "
+                                 f"got {max_sample_tokens}")
         self.capacity_bytes = capacity_bytes
         if window_context < 0:
-            raise ValueError(f"DataBuffer window_context must be >= 0, got {window_context}")
+            raise FastdraftError(f"DataBuffer window_context must be >= 0, got {window_context}")
         if holdout_every < 0 or holdout_every == 1:
-            raise ValueError(f"DataBuffer holdout_every must be 0 (none held out) or >= 2 (1 "
-                             f"would hold out every rollout), got {holdout_every}")
+            raise FastdraftError(f"DataBuffer holdout_every must be 0 (none held out) or >= 2 (1 "
+                                 f"would hold out every rollout), got {holdout_every}")
         self.holdout_every = holdout_every
         self.holdout_tokens = holdout_tokens or max_sample_tokens
         self.max_sample_tokens, self.window_context = max_sample_tokens, window_context
@@ -122,12 +123,13 @@ class DataBuffer:
         """Adds a finished rollout to the current step (as windows when it is longer than
         max_sample_tokens or larger than the capacity), evicting the oldest samples as needed.
         Returns the keys of the samples evicted (a rollout's key once per evicted window).
-        Raises ValueError for a key already held, or a capacity below one 2-token window."""
+        Raises a FastdraftError for a key already held, or a capacity below one 2-token window."""
         limit = tokens_within(sample, self.capacity_bytes)
         if limit < 2:
-            raise ValueError(f"sample {sample.key}: a 2-token window of it takes "
-                             f"{2 * sample.nbytes // sample.num_tokens} bytes, more than the "
-                             f"DataBuffer capacity of {self.capacity_bytes}: raise capacity_bytes")
+            raise FastdraftError(f"sample {sample.key}: a 2-token window of it takes "
+                                 f"{2 * sample.nbytes // sample.num_tokens} bytes, more than the "
+                                 f"DataBuffer capacity of {self.capacity_bytes}: raise "
+                                 "capacity_bytes")
         if self.is_held_out(sample.key):   # a prefix, never windows: see the class doc
             windows = [sample.truncated(min(limit, self.holdout_tokens or limit,
                                             sample.num_tokens))]
@@ -137,9 +139,9 @@ class DataBuffer:
         with self._lock:
             for window in windows:
                 if window.window_key in self._entries:
-                    raise ValueError(f"sample {window.window_key} (rl_step, request_index, "
-                                     "first position) is already in the buffer: each finished "
-                                     "request is added once")
+                    raise FastdraftError(f"sample {window.window_key} (rl_step, request_index, "
+                                         "first position) is already in the buffer: each finished "
+                                         "request is added once")
             evicted = []
             for window in windows:
                 while self._bytes + window.nbytes > self.capacity_bytes:
@@ -158,7 +160,7 @@ class DataBuffer:
         """Records the reward of the sample `key` = (rl_step, request_index), in memory and on
         disk. False when the sample is neither (evicted without a spill directory)."""
         if reward is not None and not math.isfinite(float(reward)):
-            raise ValueError(f"reward must be finite or None, got {reward}")
+            raise FastdraftError(f"reward must be finite or None, got {reward}")
         reward = None if reward is None else float(reward)
         with self._lock:
             resident = self._windows.get(key, [])
@@ -182,8 +184,8 @@ class DataBuffer:
         """Spills every resident sample not yet on disk, and the current step, so that
         `restore` after a restart finds this buffer's state. Returns the samples written."""
         if self._store is None:
-            raise ValueError("flush needs a spill directory: construct the DataBuffer with "
-                             "spill_dir")
+            raise FastdraftError("flush needs a spill directory: construct the DataBuffer with "
+                                 "spill_dir")
         with self._lock:
             claim = self._claim_for_disk(list(self._entries.values()), always=True)
         self._write(claim)
@@ -198,7 +200,7 @@ class DataBuffer:
         samples. Samples stay in the buffer: a later batch may draw them again. rows: packed
         into rows as long as the longest sample (`pack_rows`) instead of one row."""
         if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+            raise FastdraftError(f"token_budget must be >= 1, got {token_budget}")
         with self._lock:
             trainable = [e for e in self._entries.values() if not self.is_held_out(e.sample.key)]
             current = [e.sample for e in trainable if e.step == self._step]

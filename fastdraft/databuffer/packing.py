@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.databuffer.sample import HIDDEN_DTYPE, Sample, SampleKey
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, HiddenStates
 
 PAD_SEGMENT = -1
@@ -104,13 +105,13 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def _check(samples: Sequence[Sample]) -> None:
     if not samples:
-        raise ValueError("cannot batch zero samples")
+        raise FastdraftError("cannot batch zero samples")
     hidden_size, num_aux = samples[0].hidden_size, len(samples[0].aux_hidden)
     for s in samples:
         if s.hidden_size != hidden_size or len(s.aux_hidden) != num_aux:
-            raise ValueError(f"sample {s.key} has hidden size {s.hidden_size} and "
-                             f"{len(s.aux_hidden)} aux states, the first has {hidden_size} and "
-                             f"{num_aux}: batch samples of one policy and one drafter kind")
+            raise FastdraftError(f"sample {s.key} has hidden size {s.hidden_size} and "
+                                 f"{len(s.aux_hidden)} aux states, the first has {hidden_size} and "
+                                 f"{num_aux}: batch samples of one policy and one drafter kind")
 
 
 def _per_sequence(samples: Sequence[Sample]) -> dict:
@@ -129,8 +130,8 @@ def pack(samples: Sequence[Sample], token_budget: int, pad_to_budget: bool = Fal
     _check(samples)
     total = sum(s.num_tokens for s in samples)
     if token_budget < 1 or total > token_budget:
-        raise ValueError(f"{len(samples)} samples hold {total} tokens, over the token budget "
-                         f"{token_budget}: pack fewer samples or raise token_budget")
+        raise FastdraftError(f"{len(samples)} samples hold {total} tokens, over the token budget "
+                             f"{token_budget}: pack fewer samples or raise token_budget")
     pad = token_budget - total if pad_to_budget else 0
     hidden_size = samples[0].hidden_size
 
@@ -162,8 +163,8 @@ def pack_rows(samples: Sequence[Sample], row_len: int | None = None) -> PackedBa
     longest = max(s.num_tokens for s in samples)
     row_len = longest if row_len is None else row_len
     if row_len < longest:
-        raise ValueError(f"row_len={row_len} is shorter than the longest sample ({longest} "
-                         "tokens): raise it")
+        raise FastdraftError(f"row_len={row_len} is shorter than the longest sample ({longest} "
+                             "tokens): raise it")
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens):

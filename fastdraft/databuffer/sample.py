@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fastdraft.errors import FastdraftError
+
 #: Identifies a sample for `DataBuffer.set_reward`: (rl_step, request_index). The RL step is part
 #: of the key because request indices restart every step in the engine.
 SampleKey = tuple[int, int]
@@ -56,33 +58,33 @@ class Sample:
     def __post_init__(self) -> None:
         for name in ("token_ids", "positions", "hidden", "loss_mask"):
             if not isinstance(getattr(self, name), torch.Tensor):
-                raise ValueError(f"Sample.{name} must be a torch.Tensor")
+                raise FastdraftError(f"Sample.{name} must be a torch.Tensor")
         if self.token_ids.dim() != 1 or self.token_ids.numel() == 0:
-            raise ValueError(f"Sample.token_ids must be [T] with T >= 1, got shape "
-                             f"{tuple(self.token_ids.shape)}")
+            raise FastdraftError(f"Sample.token_ids must be [T] with T >= 1, got shape "
+                                 f"{tuple(self.token_ids.shape)}")
         if self.token_ids.is_floating_point() or self.token_ids.dtype == torch.bool:
-            raise ValueError(f"Sample.token_ids must hold integers, got {self.token_ids.dtype}")
+            raise FastdraftError(f"Sample.token_ids must hold integers, got {self.token_ids.dtype}")
         num_tokens = self.token_ids.numel()
         if self.positions.shape != (num_tokens,) or self.positions.is_floating_point():
-            raise ValueError(f"Sample.positions must be integer [{num_tokens}], got "
-                             f"{self.positions.dtype} {tuple(self.positions.shape)}")
+            raise FastdraftError(f"Sample.positions must be integer [{num_tokens}], got "
+                                 f"{self.positions.dtype} {tuple(self.positions.shape)}")
         if self.loss_mask.shape != (num_tokens,):
-            raise ValueError(f"Sample.loss_mask must be [{num_tokens}], got "
-                             f"{tuple(self.loss_mask.shape)}")
+            raise FastdraftError(f"Sample.loss_mask must be [{num_tokens}], got "
+                                 f"{tuple(self.loss_mask.shape)}")
         if self.hidden.dim() != 2 or self.hidden.shape[0] != num_tokens:
-            raise ValueError(f"Sample.hidden must be [{num_tokens}, H], got "
-                             f"{tuple(self.hidden.shape)}")
+            raise FastdraftError(f"Sample.hidden must be [{num_tokens}, H], got "
+                                 f"{tuple(self.hidden.shape)}")
         if not self.hidden.is_floating_point():
-            raise ValueError(f"Sample.hidden must be floating point, got {self.hidden.dtype}")
+            raise FastdraftError(f"Sample.hidden must be floating point, got {self.hidden.dtype}")
         aux = tuple(self.aux_hidden)
         for i, a in enumerate(aux):
             if not isinstance(a, torch.Tensor) or a.shape != self.hidden.shape:
-                raise ValueError(f"Sample.aux_hidden[{i}] must be a tensor shaped like hidden "
-                                 f"{tuple(self.hidden.shape)}")
+                raise FastdraftError(f"Sample.aux_hidden[{i}] must be a tensor shaped like hidden "
+                                     f"{tuple(self.hidden.shape)}")
         if self.reward is not None:
             reward = float(self.reward)
             if not math.isfinite(reward):
-                raise ValueError(f"Sample.reward must be finite or None, got {self.reward}")
+                raise FastdraftError(f"Sample.reward must be finite or None, got {self.reward}")
             object.__setattr__(self, "reward", reward)
         set_ = object.__setattr__
         set_(self, "token_ids", _owned(self.token_ids, torch.int64))
@@ -128,15 +130,16 @@ class Sample:
         """The first num_tokens tokens (prompt first, so the prompt survives a cut): used when a
         sample is longer than a whole batch's token budget."""
         if not 1 <= num_tokens <= self.num_tokens:
-            raise ValueError(f"cannot truncate a {self.num_tokens}-token sample to {num_tokens}")
+            raise FastdraftError(f"cannot truncate a {self.num_tokens}-token sample to "
+                                 f"{num_tokens}")
         return self.window(0, num_tokens)
 
     def window(self, begin: int, end: int) -> Sample:
         """Tokens [begin, end) with their own positions, hidden states and loss mask (views:
         `_owned` copies them to their own storage, so the window pins only its bytes)."""
         if not 0 <= begin < end <= self.num_tokens:
-            raise ValueError(f"window [{begin}, {end}) is not inside a {self.num_tokens}-token "
-                             "sample")
+            raise FastdraftError(f"window [{begin}, {end}) is not inside a {self.num_tokens}-token "
+                                 "sample")
         if (begin, end) == (0, self.num_tokens):
             return self
         cut = slice(begin, end)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdraft.databuffer.packing import PackedBatch
+from fastdraft.errors import FastdraftError
 
 Metrics = dict[str, float]
 
@@ -21,7 +22,7 @@ def shifted_valid(batch: PackedBatch, shift: int = 1) -> torch.Tensor:
     """[B, L] bool: True at slot t when slot t + shift holds the same sequence and is a loss-mask
     (answer) token, i.e. a prediction made at t for the token `shift` ahead may be scored."""
     if shift < 1:
-        raise ValueError(f"shift must be >= 1, got {shift}")
+        raise FastdraftError(f"shift must be >= 1, got {shift}")
     seg, mask = batch.segment_ids, batch.loss_mask
     valid = torch.zeros_like(mask)
     if shift < seg.shape[1]:

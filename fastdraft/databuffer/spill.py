@@ -33,6 +33,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from fastdraft.databuffer.sample import Sample, SampleKey, WindowKey
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.atomic import atomic_write_text, fsync_dir
 from fastdraft.utils.tensor_file import save_tensors
 
@@ -84,8 +85,8 @@ def read_manifest(root: str | Path) -> Manifest:
         return Manifest(step=0, next_shard=0, records=())
     data = json.loads(path.read_text(encoding="utf-8"))
     if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: spill format {data.get('format')!r} is not {FORMAT}; "
-                         "spill into a fresh directory")
+        raise FastdraftError(f"{path}: spill format {data.get('format')!r} is not {FORMAT}; "
+                             "spill into a fresh directory")
     return Manifest(step=data["step"], next_shard=data["next_shard"],
                     records=tuple(SpillRecord(**r) for r in data["records"]))
 

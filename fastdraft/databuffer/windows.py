@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from fastdraft.databuffer.sample import Sample
+from fastdraft.errors import FastdraftError
 
 
 def cut_windows(sample: Sample, max_tokens: int, context: int = 0) -> list[Sample]:
@@ -42,10 +43,10 @@ def cut_windows(sample: Sample, max_tokens: int, context: int = 0) -> list[Sampl
     pair at least). Windows with no loss-mask token (all prompt) are left out: nothing in them
     is trained."""
     if max_tokens < 2:
-        raise ValueError(f"a window needs at least 2 tokens (one pair), got {max_tokens}")
+        raise FastdraftError(f"a window needs at least 2 tokens (one pair), got {max_tokens}")
     if not 0 <= context <= max_tokens - 2:
-        raise ValueError(f"a window of {max_tokens} tokens can lead with 0 to {max_tokens - 2} "
-                         f"tokens of context, got {context}")
+        raise FastdraftError(f"a window of {max_tokens} tokens can lead with 0 to {max_tokens - 2} "
+                             f"tokens of context, got {context}")
     n = sample.num_tokens
     if n <= max_tokens:
         return [sample]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdraft.drafter.layout import LayerLayout
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, ModelConfig
 from fastdraft.models.rope import RopeTable, RotaryEmbedding
 
@@ -50,9 +51,9 @@ class Drafter(nn.Module):
         pc, dc = policy.config, self.config
         for field in ("hidden_size", "vocab_size"):
             if getattr(pc, field) != getattr(dc, field):
-                raise ValueError(f"drafter {field}={getattr(dc, field)} does not match the "
-                                 f"policy's {field}={getattr(pc, field)}: train or export a "
-                                 "drafter for this policy")
+                raise FastdraftError(f"drafter {field}={getattr(dc, field)} does not match the "
+                                     f"policy's {field}={getattr(pc, field)}: train or export a "
+                                     "drafter for this policy")
         self._borrowed = {"embed_tokens": policy.model.embed_tokens, "lm_head": policy.lm_head}
         return self
 
@@ -124,7 +125,7 @@ def register_drafter(kind: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 def _drafter_class(kind: str) -> type[Drafter]:
     if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
+        raise FastdraftError(f"unknown drafter kind {kind!r}; choose one of {sorted(DRAFTERS)}")
     return DRAFTERS[kind]
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.drafter.layout import LAYOUT_KEY, saved_layout
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig, load_named_tensors
 from fastdraft.utils.atomic import atomic_dir
 from fastdraft.utils.file_digest import check_sums, write_sums
@@ -53,8 +54,8 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
                   for f in _MATCH_FIELDS
                   if getattr(trained_for, f) != getattr(policy.config, f)]
     if mismatches:
-        raise ValueError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
-                         "train a drafter for this policy with `fastdraft drafter warmup`")
+        raise FastdraftError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
+                             "train a drafter for this policy with `fastdraft drafter warmup`")
     param = next(policy.parameters())
     drafter = build_drafter(meta["kind"], policy.config, max_positions, saved_layout(meta))
     drafter = drafter.to(device=param.device, dtype=param.dtype).attach(policy)
@@ -62,7 +63,7 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
     load_named_tensors(drafter, named.items())
     missing = {n for n, _ in drafter.named_parameters()} - set(named)
     if missing:
-        raise ValueError(f"drafter {path} lacks weights {sorted(missing)[:3]}")
+        raise FastdraftError(f"drafter {path} lacks weights {sorted(missing)[:3]}")
     if meta.get("draft_token_ids") is not None:
         drafter.draft_token_ids = torch.tensor(meta["draft_token_ids"], dtype=torch.long)
     return drafter.eval()

@@ -9,6 +9,7 @@ from torch import nn
 
 from fastdraft.drafter.base import Drafter, register_drafter
 from fastdraft.drafter.layout import LayerLayout
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
 from fastdraft.models.rope import RopeTable
@@ -43,8 +44,8 @@ class Eagle3Drafter(Drafter):
 
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:
         if len(hidden.aux) != 3:
-            raise ValueError("EAGLE-3 needs the policy's aux hidden states: run the policy "
-                             f"with aux_layers={self.aux_layers}")
+            raise FastdraftError("EAGLE-3 needs the policy's aux hidden states: run the policy "
+                                 f"with aux_layers={self.aux_layers}")
         return self.fc(torch.cat(hidden.aux, -1).to(self.fc.weight.dtype))
 
     def advance(self, features: torch.Tensor, input_ids: torch.Tensor,

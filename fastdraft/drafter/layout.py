@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 
 # drafter_config.json key holding the layout (absent in checkpoints saved before it existed).
@@ -34,8 +35,8 @@ class LayerLayout:
     def __post_init__(self) -> None:
         for f in fields(self):
             if not isinstance(getattr(self, f.name), bool):
-                raise ValueError(f"drafter layer layout: {f.name} must be true or false, got "
-                                 f"{getattr(self, f.name)!r}")
+                raise FastdraftError(f"drafter layer layout: {f.name} must be true or false, got "
+                                     f"{getattr(self, f.name)!r}")
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> LayerLayout:
@@ -46,8 +47,8 @@ class LayerLayout:
     def from_dict(cls, saved: Any) -> LayerLayout:
         names = {f.name for f in fields(cls)}
         if not isinstance(saved, dict) or set(saved) != names:
-            raise ValueError(f"drafter_config.json: {LAYOUT_KEY} must map exactly "
-                             f"{sorted(names)} to true/false, got {saved!r}")
+            raise FastdraftError(f"drafter_config.json: {LAYOUT_KEY} must map exactly "
+                                 f"{sorted(names)} to true/false, got {saved!r}")
         return cls(**saved)
 
     def to_dict(self) -> dict[str, bool]:

@@ -16,6 +16,7 @@ from fastdraft.drafter.base import Drafter, build_drafter
 from fastdraft.drafter.checkpoint import save_drafter
 from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, drafter_loss
 from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, load_model
 from fastdraft.utils.schedule import warmup_cosine_lr
 
@@ -49,19 +50,19 @@ class WarmupConfig:
     def __post_init__(self) -> None:
         for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"WarmupConfig.{name} must be >= 1")
+                raise FastdraftError(f"WarmupConfig.{name} must be >= 1")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
-            raise ValueError("lr must be > 0 and warmup_steps in [0, steps)")
+            raise FastdraftError("lr must be > 0 and warmup_steps in [0, steps)")
         if not 0.0 <= self.argmax_weight <= 1.0:
-            raise ValueError(f"WarmupConfig.argmax_weight must be in [0, 1], got "
-                             f"{self.argmax_weight}")
+            raise FastdraftError(f"WarmupConfig.argmax_weight must be in [0, 1], got "
+                                 f"{self.argmax_weight}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise ValueError("WarmupConfig.draft_vocab must be >= 1 (or None for every token)")
+            raise FastdraftError("WarmupConfig.draft_vocab must be >= 1 (or None for every token)")
         if self.ttt_steps is not None and self.ttt_steps < 1:
-            raise ValueError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
+            raise FastdraftError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
         if self.kind not in DEFAULT_NUM_STEPS:
-            raise ValueError(f"unknown drafter kind {self.kind!r}; choose one of "
-                             f"{sorted(DEFAULT_NUM_STEPS)}")
+            raise FastdraftError(f"unknown drafter kind {self.kind!r}; choose one of "
+                                 f"{sorted(DEFAULT_NUM_STEPS)}")
         if self.ttt_steps is None:
             # Recorded as a number, so a saved drafter says what it was trained with and a
             # changed default makes `ensure_drafter` retrain a cached one.

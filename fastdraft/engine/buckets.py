@@ -10,6 +10,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from fastdraft.errors import FastdraftError
+
 
 @dataclass(frozen=True, slots=True)
 class BucketPlan:
@@ -20,7 +22,7 @@ class BucketPlan:
         for name, ladder in (("batch_sizes", self.batch_sizes),
                              ("context_lens", self.context_lens)):
             if not ladder or list(ladder) != sorted(set(ladder)) or ladder[0] < 1:
-                raise ValueError(f"{name} must be ascending positive sizes, got {ladder}")
+                raise FastdraftError(f"{name} must be ascending positive sizes, got {ladder}")
 
     @classmethod
     def build(cls, max_batch_size: int, cache_len: int, *, exact: bool = False,
@@ -52,5 +54,5 @@ class BucketPlan:
 def _ceil(ladder: tuple[int, ...], value: int, what: str) -> int:
     i = bisect_left(ladder, value)
     if i == len(ladder):
-        raise ValueError(f"{what} {value} exceeds the largest bucket {ladder[-1]}")
+        raise FastdraftError(f"{what} {value} exceeds the largest bucket {ladder[-1]}")
     return ladder[i]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.engine.request import Request
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +35,8 @@ class HiddenRecord:
         n = self.positions.shape[0]
         if self.token_ids.shape != (n,) or self.final.shape[0] != n or any(
                 a.shape != self.final.shape for a in self.aux):
-            raise ValueError(f"HiddenRecord of request {self.request_index}: positions, token "
-                             "ids, final and aux hidden states must have one row per token")
+            raise FastdraftError(f"HiddenRecord of request {self.request_index}: positions, token "
+                                 "ids, final and aux hidden states must have one row per token")
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +111,9 @@ def forward_aux_layers(proposer: tuple[int, ...], capture: tuple[int, ...], num_
                        ) -> tuple[int, ...]:
     """The aux layers every forward computes: the proposer's (EAGLE-3) or the capture's."""
     if any(not 0 <= i < num_layers for i in capture):
-        raise ValueError(f"capture_aux_layers={capture}: layer indices must be in "
-                         f"[0, {num_layers})")
+        raise FastdraftError(f"capture_aux_layers={capture}: layer indices must be in "
+                             f"[0, {num_layers})")
     if proposer and capture and proposer != capture:
-        raise ValueError(f"capture_aux_layers={capture} differ from the drafter's aux layers "
-                         f"{proposer}: one forward computes one set; capture the drafter's")
+        raise FastdraftError(f"capture_aux_layers={capture} differ from the drafter's aux layers "
+                             f"{proposer}: one forward computes one set; capture the drafter's")
     return proposer or capture

@@ -52,6 +52,7 @@ from fastdraft.engine.spec_step import SpeculativeStep
 from fastdraft.engine.step_io import StepIO
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.engine.updates import BetweenSteps
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model
 
 OnFinish = Callable[[Completion], None]
@@ -120,8 +121,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len, spec, tuner.arms if tuner else ())
         if model.rope.cos.shape[0] < envelope.rope_len:
-            raise ValueError(f"the model's rotary table covers {model.rope.cos.shape[0]} "
-                             f"positions, less than {envelope.rope_len} needed")
+            raise FastdraftError(f"the model's rotary table covers {model.rope.cos.shape[0]} "
+                                 f"positions, less than {envelope.rope_len} needed")
         if not share_weights:
             model = copy.deepcopy(model)
         engine = cls.__new__(cls)
@@ -140,7 +141,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
               memory_plan: EnginePlan | None = None, kv_block_size: int = KV_BLOCK_SIZE,
               kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
         if max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
+            raise FastdraftError("max_batch_size must be >= 1")
         # A prefill batch's equal prompts (a GRPO group) computed once (engine/prefix_share.py);
         # False only to measure what that saves (bench kv).
         self.share_prompts = True

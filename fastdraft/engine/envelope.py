@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastdraft.errors import FastdraftError
+
 if TYPE_CHECKING:
     from fastdraft.engine.spec.config import SpecConfig
 
@@ -25,9 +27,9 @@ class Envelope:
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+            raise FastdraftError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if min(self.max_depth, self.max_topk, self.max_tree_nodes) < 0:
-            raise ValueError("speculation bounds must be >= 0")
+            raise FastdraftError("speculation bounds must be >= 0")
 
     @classmethod
     def for_spec(cls, max_seq_len: int, spec: SpecConfig,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdraft.errors import FastdraftError
+
 
 @dataclass(slots=True)
 class GraphStats:
@@ -40,8 +42,8 @@ class GraphPool:
         device = torch.device(device)
         self.enabled = (device.type == "cuda") if enabled is None else enabled
         if self.enabled and device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; pass graphs=False on "
-                             f"{device.type}")
+            raise FastdraftError("CUDA graphs need a CUDA device; pass graphs=False on "
+                                 f"{device.type}")
         self.device, self.warmup = device, warmup
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # One side stream for every warm-up, so their allocations are cached once, not per

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fastdraft.errors import FastdraftError
+
 
 @dataclass(frozen=True)
 class BlockCopy:
@@ -41,9 +43,11 @@ class BlockTable:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if not (isinstance(num_blocks, int) and num_blocks >= 1):
-            raise ValueError(f"BlockPool: num_blocks must be an integer >= 1, got {num_blocks!r}")
+            raise FastdraftError("BlockPool: num_blocks must be an integer >= 1, got "
+                                 f"{num_blocks!r}")
         if not (isinstance(block_size, int) and block_size >= 1):
-            raise ValueError(f"BlockPool: block_size must be an integer >= 1, got {block_size!r}")
+            raise FastdraftError("BlockPool: block_size must be an integer >= 1, got "
+                                 f"{block_size!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = deque(range(num_blocks))
         self._refs = [0] * num_blocks

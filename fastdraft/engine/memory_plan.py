@@ -46,6 +46,7 @@ from fastdraft.engine.capture import forward_aux_layers
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.rng import Stream
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.utils.device_memory import GIB, Capacity, device_capacity, gb
 
@@ -304,10 +305,10 @@ def check_engine_plan(plan: EnginePlan, capacity: Capacity, resident: int = 0) -
         fixes.append(f"rollout.max_seq_len (prompt + rollout.max_new_tokens) to <= {seq_len} "
                      f"tokens (what fits at {s.num_slots} slots)")
     if not fixes:
-        raise ValueError(message + f"Not even one slot fits beside the weights "
-                         f"({gb(plan.weights)}): use a device with more memory or a smaller "
-                         "model.dtype")
-    raise ValueError(message + "Lower " + ", or ".join(fixes))
+        raise FastdraftError(message + f"Not even one slot fits beside the weights "
+                             f"({gb(plan.weights)}): use a device with more memory or a smaller "
+                             "model.dtype")
+    raise FastdraftError(message + "Lower " + ", or ".join(fixes))
 
 
 def check_engine_fits(plan: EnginePlan, device: str | torch.device, reserved: int = 0,

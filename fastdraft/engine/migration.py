@@ -50,6 +50,7 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Scheduler
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +77,13 @@ class MigratedRequest:
         # Checked where the record is made, so a bad one fails its sender, not a receiver's
         # running generate.
         if not self.prompt_token_ids:
-            raise ValueError(f"migrated request {self.index} has an empty prompt")
+            raise FastdraftError(f"migrated request {self.index} has an empty prompt")
         if len(self.output_token_ids) != len(self.output_logprobs):
-            raise ValueError(f"migrated request {self.index} has {len(self.output_token_ids)} "
-                             f"tokens but {len(self.output_logprobs)} logprobs")
+            raise FastdraftError(f"migrated request {self.index} has {len(self.output_token_ids)} "
+                                 f"tokens but {len(self.output_logprobs)} logprobs")
         if len(self.output_token_ids) >= self.params.max_new_tokens:
-            raise ValueError(f"migrated request {self.index} already holds max_new_tokens="
-                             f"{self.params.max_new_tokens} tokens: it has finished")
+            raise FastdraftError(f"migrated request {self.index} already holds max_new_tokens="
+                                 f"{self.params.max_new_tokens} tokens: it has finished")
 
     @classmethod
     def of(cls, request: Request) -> MigratedRequest:
@@ -103,17 +104,17 @@ class MigratedRequest:
         tokens = self.prompt_token_ids + self.output_token_ids
         cap = min(max_seq_len, self.max_total_len or max_seq_len)
         if len(tokens) >= cap:
-            raise ValueError(f"migrated request {self.index} holds {len(tokens)} tokens; this "
-                             f"engine's cap is {cap} (prompt + answer)")
+            raise FastdraftError(f"migrated request {self.index} holds {len(tokens)} tokens; this "
+                                 f"engine's cap is {cap} (prompt + answer)")
         bad = [t for t in tokens if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"migrated request {self.index} has token ids outside "
-                             f"[0, {vocab_size}): {bad[:5]}")
+            raise FastdraftError(f"migrated request {self.index} has token ids outside "
+                                 f"[0, {vocab_size}): {bad[:5]}")
         p = self.params
         stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos_token_ids)
         if self.output_token_ids and self.output_token_ids[-1] in stop:
-            raise ValueError(f"migrated request {self.index} ends with a stop token: it has "
-                             "finished")
+            raise FastdraftError(f"migrated request {self.index} ends with a stop token: it has "
+                                 "finished")
         return Request(self.index, list(self.prompt_token_ids), p, stop, cap, self.seed,
                        output_token_ids=list(self.output_token_ids),
                        output_logprobs=list(self.output_logprobs),
@@ -174,9 +175,9 @@ class Handoff:
                  inbox: Inbox | None = None, yield_below: int = 0,
                  should_yield: Callable[[], bool] | None = None) -> None:
         if inbox is not None and inbox.closed:
-            raise ValueError("this Inbox is closed: one Inbox serves one generate call")
+            raise FastdraftError("this Inbox is closed: one Inbox serves one generate call")
         if yield_below < 0:
-            raise ValueError(f"yield_below must be >= 0, got {yield_below}")
+            raise FastdraftError(f"yield_below must be >= 0, got {yield_below}")
         self._make = (vocab_size, max_seq_len, eos_token_ids)
         self.inbox, self.yield_below = inbox, yield_below
         self.should_yield = should_yield or (lambda: True)

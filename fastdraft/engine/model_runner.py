@@ -18,6 +18,7 @@ from fastdraft.engine.scheduler import SlotMove
 from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.accept import AcceptedBatch
 from fastdraft.engine.spec.batch import DraftBatch
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView, causal_cache_meta
 from fastdraft.models.attn_meta import GroupedAttn, RowGroup, tree_mask
 from fastdraft.models.packing import pack_for_inference
@@ -245,19 +246,20 @@ def _tree_inputs(root_ids: torch.Tensor, root_pos: torch.Tensor, drafts: DraftBa
 def paged_attention_of(name: str, block_size: int, head_dim: int
                        ) -> Callable[..., torch.Tensor] | None:
     """The paged attention of decode and verify steps `name` names (None: the gather), or a
-    ValueError that says what to change."""
+    FastdraftError that says what to change."""
     if name == "gather":
         return None
     if name != "triton":
-        raise ValueError(f"paged_attention must be 'gather' or 'triton', got {name!r}")
+        raise FastdraftError(f"paged_attention must be 'gather' or 'triton', got {name!r}")
     if not block_size:
-        raise ValueError("paged_attention='triton' reads a paged KV cache: set kv_block_size")
+        raise FastdraftError("paged_attention='triton' reads a paged KV cache: set kv_block_size")
     for what, size in (("kv_block_size", block_size), ("the model's head_dim", head_dim)):
         if size & (size - 1):
-            raise ValueError(f"paged_attention='triton' needs {what} a power of two, got {size}")
+            raise FastdraftError(f"paged_attention='triton' needs {what} a power of two, got "
+                                 f"{size}")
     try:
         from fastdraft.kernels.triton_paged_attention import paged_attention_triton
     except ImportError as err:
-        raise ValueError("paged_attention='triton' needs triton installed (pip install "
-                         f"triton): {err}") from None
+        raise FastdraftError("paged_attention='triton' needs triton installed (pip install "
+                             f"triton): {err}") from None
     return paged_attention_triton

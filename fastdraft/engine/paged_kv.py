@@ -16,6 +16,7 @@ import torch
 
 from fastdraft.engine.kv_blocks import BlockPool, BlockTable
 from fastdraft.engine.scheduler import SlotMove
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 
 # Cells per block: vLLM's and SGLang's default page sizes are 16 and 1; 16 keeps a table row
@@ -41,13 +42,13 @@ class PagedKV:
         run out; at least one longest sequence and a block to spare must fit, so a request
         alone always runs."""
         if block_size < 1:
-            raise ValueError(f"the KV block size must be >= 1 cell, got {block_size}")
+            raise FastdraftError(f"the KV block size must be >= 1 cell, got {block_size}")
         self.block_size = block_size
         self.max_blocks = -(-cache_len // block_size)
         self.bounded = num_blocks is not None
         self.num_blocks = num_blocks if num_blocks is not None else num_slots * self.max_blocks
         if self.bounded and self.num_blocks < self.max_blocks + 1:
-            raise ValueError(
+            raise FastdraftError(
                 f"the paged KV cache holds {self.num_blocks} blocks of {block_size} cells, "
                 f"less than one longest sequence ({cache_len} cells: max_seq_len and a draft "
                 f"tree's cells) and a block to spare; raise rollout.kv_cache_gb to at least "

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastdraft.engine.rng import seed_of
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.errors import FastdraftError
 
 
 class FinishReason(StrEnum):
@@ -107,22 +108,22 @@ def make_requests(prompts: list[list[int]], params: SamplingParams | list[Sampli
     params = params or SamplingParams()
     per_request = params if isinstance(params, list) else [params] * len(prompts)
     if len(per_request) != len(prompts):
-        raise ValueError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
+        raise FastdraftError(f"got {len(per_request)} SamplingParams for {len(prompts)} prompts")
     streams = list(range(len(prompts))) if stream_ids is None else list(stream_ids)
     if len(streams) != len(prompts):
-        raise ValueError(f"got {len(streams)} stream ids for {len(prompts)} prompts")
+        raise FastdraftError(f"got {len(streams)} stream ids for {len(prompts)} prompts")
     requests = []
     for i, (prompt, p) in enumerate(zip(prompts, per_request)):
         prompt = list(prompt)
         if not prompt:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            raise FastdraftError(f"prompt {i} is empty: every prompt needs at least one token")
         if len(prompt) >= max_seq_len:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens; the KV cache holds "
-                             f"max_seq_len={max_seq_len} (prompt + answer): shorten the "
-                             "prompt or raise max_seq_len")
+            raise FastdraftError(f"prompt {i} has {len(prompt)} tokens; the KV cache holds "
+                                 f"max_seq_len={max_seq_len} (prompt + answer): shorten the "
+                                 "prompt or raise max_seq_len")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            raise FastdraftError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
         stop = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos
                                               else eos_token_ids)
         seed = 0 if p.is_greedy else seed_of(p.seed, streams[i])

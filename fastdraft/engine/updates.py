@@ -12,6 +12,7 @@ import torch
 
 from fastdraft.engine.sleep import Released
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.errors import FastdraftError
 from fastdraft.models import load_named_tensors
 from fastdraft.utils.digest import tensor_digest
 
@@ -61,11 +62,11 @@ class BetweenSteps:
         self.wake()   # the drafter may read the policy's embedding / head
         drafter = self.model_drafter
         if drafter is None:
-            raise ValueError(f"spec method {self.spec.method!r} has no drafter to update")
+            raise FastdraftError(f"spec method {self.spec.method!r} has no drafter to update")
         named_tensors = list(named_tensors)
         if checksum is not None and (got := tensor_digest(named_tensors)) != checksum:
-            raise ValueError(f"drafter version {version}: the received tensors' checksum {got} "
-                             f"is not the published {checksum}; nothing was loaded")
+            raise FastdraftError(f"drafter version {version}: the received tensors' checksum {got} "
+                                 f"is not the published {checksum}; nothing was loaded")
         load_named_tensors(drafter, named_tensors)
         self.drafter_version = (self.drafter_version or 0) + 1 if version is None else version
         return self.drafter_version
@@ -88,8 +89,8 @@ class BetweenSteps:
         config it ran before: the fallback left the envelope, caches and proposer as they
         were, and plain steps kept feeding the drafter."""
         if not spec.enabled:
-            raise ValueError("resume_speculation needs a speculative spec (the one before the "
-                             "fallback)")
+            raise FastdraftError("resume_speculation needs a speculative spec (the one before the "
+                                 "fallback)")
         self.spec, self.fallback_reason = spec, None
 
     def state_dict(self) -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from fastdraft.errors import FastdraftError
 from fastdraft.export.formats import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -37,7 +38,7 @@ _INTEGRAL_DTYPES = {"int64": torch.int64, "bool": torch.bool}
 def check_export(export_dir: str | Path, fmt: str, kind: str, *,
                  expected_draft_token_ids: torch.Tensor | None = None) -> None:
     """Checks one exported directory (the one an engine is pointed at, with config.json) for
-    the engine(s) `fmt` names; raises ValueError listing every problem found.
+    the engine(s) `fmt` names; raises a FastdraftError listing every problem found.
 
     EAGLE-1 directories serve one engine each (fmt "sglang" or "vllm"); an EAGLE-3 directory
     must serve both, whatever fmt says. `expected_draft_token_ids`, when given, must be what
@@ -46,9 +47,9 @@ def check_export(export_dir: str | Path, fmt: str, kind: str, *,
     check_kind(kind)
     engines = engines_for(fmt)
     if kind == "eagle1" and len(engines) > 1:
-        raise ValueError("no EAGLE-1 directory serves both engines (SGLang needs fc.bias, vLLM "
-                         "refuses it): check <out>/sglang with fmt='sglang' and <out>/vllm "
-                         "with fmt='vllm'")
+        raise FastdraftError("no EAGLE-1 directory serves both engines (SGLang needs fc.bias, vLLM "
+                             "refuses it): check <out>/sglang with fmt='sglang' and <out>/vllm "
+                             "with fmt='vllm'")
     if kind == "eagle3":
         engines = ("sglang", "vllm")
     export_dir = Path(export_dir)
@@ -59,23 +60,23 @@ def check_export(export_dir: str | Path, fmt: str, kind: str, *,
         problems += [p for p in found if p not in problems]
     if problems:
         who = "SGLang and vLLM load" if len(engines) > 1 else f"{_ENGINE_NAMES[engines[0]]} loads"
-        raise ValueError(f"{export_dir} is not an {_KIND_NAMES[kind]} drafter that {who} as "
-                         f"exported: {'; '.join(problems)}")
+        raise FastdraftError(f"{export_dir} is not an {_KIND_NAMES[kind]} drafter that {who} as "
+                             f"exported: {'; '.join(problems)}")
 
 
 def _read_export(export_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config_path, weights_path = export_dir / CONFIG_FILE, export_dir / WEIGHTS_FILE
     missing = [p.name for p in (config_path, weights_path) if not p.is_file()]
     if missing:
-        raise ValueError(f"{export_dir} is not an exported drafter: {', '.join(missing)} "
-                         "missing")
-    check_sums(export_dir)   # raises CorruptFileError (a ValueError) naming a damaged file
+        raise FastdraftError(f"{export_dir} is not an exported drafter: {', '.join(missing)} "
+                             "missing")
+    check_sums(export_dir)   # raises CorruptFileError (a FastdraftError) naming a damaged file
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+        raise FastdraftError(f"{config_path} is not valid JSON: {err}") from err
     if not isinstance(config, dict):
-        raise ValueError(f"{config_path} must hold a JSON object")
+        raise FastdraftError(f"{config_path} must hold a JSON object")
     return config, load_file(str(weights_path))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from fastdraft.errors import FastdraftError
+
 ExportFormat = Literal["sglang", "vllm", "all"]
 Engine = Literal["sglang", "vllm"]
 
@@ -37,13 +39,13 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 def engines_for(fmt: str) -> tuple[Engine, ...]:
     """The engines a format asks for; "all" is every engine."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise FastdraftError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     return ENGINES if fmt == "all" else (fmt,)  # type: ignore[return-value]
 
 
 def check_kind(kind: str) -> None:
     if kind not in KINDS:
-        raise ValueError(f"unknown drafter kind {kind!r}; export supports {', '.join(KINDS)}")
+        raise FastdraftError(f"unknown drafter kind {kind!r}; export supports {', '.join(KINDS)}")
 
 
 def export_dirs(out_dir: str | Path, kind: str, fmt: str) -> dict[Path, tuple[Engine, ...]]:
@@ -59,9 +61,9 @@ def export_dirs(out_dir: str | Path, kind: str, fmt: str) -> dict[Path, tuple[En
 
 def sglang_eagle1_architecture(model_type: str) -> str:
     if model_type not in SGLANG_EAGLE1_ARCHITECTURES:
-        raise ValueError(f"SGLang has no EAGLE-1 drafter class for {model_type!r} targets; "
-                         f"fastdraft exports EAGLE-1 drafters for "
-                         f"{', '.join(SGLANG_EAGLE1_ARCHITECTURES)} targets")
+        raise FastdraftError(f"SGLang has no EAGLE-1 drafter class for {model_type!r} targets; "
+                             f"fastdraft exports EAGLE-1 drafters for "
+                             f"{', '.join(SGLANG_EAGLE1_ARCHITECTURES)} targets")
     return SGLANG_EAGLE1_ARCHITECTURES[model_type]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.export.formats import (
     EAGLE3_ARCHITECTURE,
     SGLANG_EAGLE1_ARCHITECTURES,
@@ -55,8 +56,8 @@ def export_name_map(kind: str, architecture: str) -> dict[str, str]:
     """fastdraft name -> exported name, for every drafter tensor `architecture` can hold."""
     check_kind(kind)
     if architecture not in ATTENTION_BIASES:
-        raise ValueError(f"unknown export architecture {architecture!r}; known: "
-                         f"{', '.join(ATTENTION_BIASES)}")
+        raise FastdraftError(f"unknown export architecture {architecture!r}; known: "
+                             f"{', '.join(ATTENTION_BIASES)}")
     prefix = LAYER_PREFIX[kind]
     names = (*DRAFTER_WEIGHTS[kind],
              *(f"{prefix}self_attn.{p}.bias" for p in ATTENTION_BIASES[architecture]))
@@ -84,11 +85,11 @@ def to_engine_names(kind: str, architecture: str, tensors: dict[str, torch.Tenso
     unmapped = sorted(set(tensors) - set(mapping))
     if unmapped:
         reasons = "; ".join(f"{n}: {_why_unmapped(n, kind, architecture)}" for n in unmapped)
-        raise ValueError(f"cannot export this {kind} drafter as {architecture}: "
-                         f"{len(unmapped)} tensor(s) have no engine name ({reasons})")
+        raise FastdraftError(f"cannot export this {kind} drafter as {architecture}: "
+                             f"{len(unmapped)} tensor(s) have no engine name ({reasons})")
     missing = [n for n in DRAFTER_WEIGHTS[kind] if n not in tensors]
     if missing:
-        raise ValueError(f"the {kind} drafter lacks {missing[:3]}: not a complete checkpoint")
+        raise FastdraftError(f"the {kind} drafter lacks {missing[:3]}: not a complete checkpoint")
     return {mapping[name]: tensor for name, tensor in tensors.items()}
 
 
@@ -99,5 +100,6 @@ def from_engine_names(kind: str, architecture: str, tensors: dict[str, torch.Ten
     inverse = {exported: name for name, exported in export_name_map(kind, architecture).items()}
     unknown = sorted(set(tensors) - set(inverse))
     if unknown:
-        raise ValueError(f"{architecture} export has tensors no {kind} drafter holds: {unknown}")
+        raise FastdraftError(f"{architecture} export has tensors no {kind} drafter holds: "
+                             f"{unknown}")
     return {inverse[name]: tensor for name, tensor in tensors.items()}

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastdraft.drafter import Drafter, build_drafter
+from fastdraft.errors import FastdraftError
 from fastdraft.export.formats import CONFIG_FILE, EAGLE3_ARCHITECTURE, WEIGHTS_FILE
 from fastdraft.export.names import from_engine_names
 from fastdraft.export.vocab import target_ids_from_offsets
@@ -34,7 +35,7 @@ def load_exported_drafter(export_dir: str | Path, policy: CausalLM, max_position
     tensors = load_file(str(export_dir / WEIGHTS_FILE))
     fc_bias = tensors.pop("fc.bias", None)
     if fc_bias is not None and bool(fc_bias.any()):
-        raise ValueError(f"{export_dir}: fc.bias is non-zero, but fastdraft's fc has no bias")
+        raise FastdraftError(f"{export_dir}: fc.bias is non-zero, but fastdraft's fc has no bias")
     lm_head = tensors.pop("lm_head.weight", None)
     d2t, _ = tensors.pop("d2t", None), tensors.pop("t2d", None)
     draft_ids = None if d2t is None else target_ids_from_offsets(d2t)
@@ -46,7 +47,7 @@ def load_exported_drafter(export_dir: str | Path, policy: CausalLM, max_position
     load_named_tensors(drafter, ((n, t.to(param.dtype)) for n, t in named.items()))
     missing = sorted({n for n, _ in drafter.named_parameters()} - set(named))
     if missing:
-        raise ValueError(f"{export_dir} lacks drafter weights {missing[:3]}")
+        raise FastdraftError(f"{export_dir} lacks drafter weights {missing[:3]}")
     if lm_head is not None:
         _check_lm_head_is_policys(lm_head, policy, draft_ids, export_dir)
     drafter.draft_token_ids = draft_ids
@@ -60,5 +61,5 @@ def _check_lm_head_is_policys(lm_head: torch.Tensor, policy: CausalLM,
     rows = rows if draft_ids is None else rows[draft_ids]
     if rows.shape != lm_head.shape or not torch.allclose(
             lm_head.float(), rows, rtol=_BF16_RTOL, atol=1e-6):
-        raise ValueError(f"{export_dir}: lm_head.weight is not this policy's lm_head (over the "
-                         "draft vocabulary); the drafter was exported for another policy")
+        raise FastdraftError(f"{export_dir}: lm_head.weight is not this policy's lm_head (over the "
+                             "draft vocabulary); the drafter was exported for another policy")

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from fastdraft.drafter import DRAFTERS, build_drafter
 from fastdraft.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from fastdraft.drafter.layout import LayerLayout, saved_layout
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 from fastdraft.utils.file_digest import check_sums
 
@@ -59,7 +60,8 @@ def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
     mismatches = [f"{f}: drafter {getattr(ckpt.trained_for, f)} vs target {getattr(policy, f)}"
                   for f in MUST_MATCH if getattr(ckpt.trained_for, f) != getattr(policy, f)]
     if mismatches:
-        raise ValueError(f"the drafter was trained for another target ({'; '.join(mismatches)})")
+        raise FastdraftError("the drafter was trained for another target "
+                             f"({'; '.join(mismatches)})")
     _check_layout(ckpt, policy)
     with torch.device("meta"):  # names and shapes only, no memory
         expected = {n: t.shape for n, t in build_drafter(ckpt.kind, policy, 1).state_dict().items()}
@@ -68,8 +70,8 @@ def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
     wrong += [f"{n}: shape {list(t.shape)}, expected {list(expected[n])}"
               for n, t in ckpt.tensors.items() if n in expected and t.shape != expected[n]]
     if wrong:
-        raise ValueError(f"the {ckpt.kind} drafter checkpoint does not fit the target: "
-                         f"{'; '.join(wrong[:5])}")
+        raise FastdraftError(f"the {ckpt.kind} drafter checkpoint does not fit the target: "
+                             f"{'; '.join(wrong[:5])}")
 
 
 def _check_layout(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
@@ -79,7 +81,7 @@ def _check_layout(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
     wanted = DRAFTERS[ckpt.kind].layer_layout(policy)
     if ckpt.layout == wanted:
         return
-    raise ValueError(
+    raise FastdraftError(
         f"the {ckpt.kind} drafter at {ckpt.path} cannot be exported: its decoder layer "
         f"{' and '.join(ckpt.layout.differences(wanted))}, but the engines' {ckpt.kind} layer "
         f"for a {policy.model_type} target has {wanted.describe()} (the drafter was saved by "
@@ -112,8 +114,8 @@ def read_policy_lm_head(policy_dir: str | Path, policy: ModelConfig) -> torch.Te
             with safe_open(str(shard), framework="pt") as f:
                 weight = f.get_tensor(name)
             if weight.shape != (policy.vocab_size, policy.hidden_size):
-                raise ValueError(f"{name} in {policy_dir} has shape {list(weight.shape)}, "
-                                 f"expected [{policy.vocab_size}, {policy.hidden_size}]")
+                raise FastdraftError(f"{name} in {policy_dir} has shape {list(weight.shape)}, "
+                                     f"expected [{policy.vocab_size}, {policy.hidden_size}]")
             return weight
-    raise ValueError(f"{policy_dir} holds no {' or '.join(names)}: an EAGLE-3 export must carry "
-                     "the target's lm_head")
+    raise FastdraftError(f"{policy_dir} holds no {' or '.join(names)}: an EAGLE-3 export must "
+                         "carry the target's lm_head")

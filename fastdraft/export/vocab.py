@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from fastdraft.errors import FastdraftError
+
 
 def reduced_draft_token_ids(draft_token_ids: torch.Tensor | None, vocab_size: int
                             ) -> torch.Tensor | None:
@@ -17,12 +19,13 @@ def reduced_draft_token_ids(draft_token_ids: torch.Tensor | None, vocab_size: in
         return None
     ids = torch.as_tensor(draft_token_ids, dtype=torch.long).flatten()
     if not len(ids):
-        raise ValueError("draft_token_ids is empty: a draft vocabulary needs at least one token")
+        raise FastdraftError("draft_token_ids is empty: a draft vocabulary needs at least one "
+                             "token")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"draft_token_ids must lie in [0, {vocab_size}), got "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise FastdraftError(f"draft_token_ids must lie in [0, {vocab_size}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
     if len(torch.unique(ids)) != len(ids):
-        raise ValueError("draft_token_ids has repeated ids: d2t/t2d cannot express duplicates")
+        raise FastdraftError("draft_token_ids has repeated ids: d2t/t2d cannot express duplicates")
     return None if len(ids) == vocab_size else ids
 
 

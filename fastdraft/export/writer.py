@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.export.check import check_export
 from fastdraft.export.engine_config import engine_config
 from fastdraft.export.formats import (
@@ -105,5 +106,5 @@ def _refuse_to_clobber(final: Path) -> None:
     """The directory is replaced as a whole: never take a user's unrelated files with it."""
     if final.exists() and (not final.is_dir() or (
             any(final.iterdir()) and not (final / CONFIG_FILE).is_file())):
-        raise ValueError(f"{final} exists and is not an earlier export (no {CONFIG_FILE}); "
-                         "export replaces it as a whole: choose another out_dir or remove it")
+        raise FastdraftError(f"{final} exists and is not an earlier export (no {CONFIG_FILE}); "
+                             "export replaces it as a whole: choose another out_dir or remove it")

@@ -14,24 +14,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastdraft.errors import FastdraftError
+
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_tables: torch.Tensor, ctx_lens: torch.Tensor,
                        new_mask: torch.Tensor | None) -> None:
-    """Shapes that agree, or a ValueError that names the one that does not."""
+    """Shapes that agree, or a FastdraftError that names the one that does not."""
     batch, new, heads, dim = q.shape
     _, _, kv_heads, kv_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+        raise FastdraftError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     if kv_dim != dim or heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: "
-                         "head_dim must match and q's heads be a multiple of the KV heads")
+        raise FastdraftError(f"q {tuple(q.shape)} does not fit k_cache {tuple(k_cache.shape)}: "
+                             "head_dim must match and q's heads be a multiple of the KV heads")
     if block_tables.shape[0] != batch or ctx_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and ctx_lens "
-                         f"{tuple(ctx_lens.shape)} must have one row per query row ({batch})")
+        raise FastdraftError(f"block_tables {tuple(block_tables.shape)} and ctx_lens "
+                             f"{tuple(ctx_lens.shape)} must have one row per query row ({batch})")
     if new_mask is not None and new_mask.shape != (batch, new, new):
-        raise ValueError(f"new_mask must be [B, T, T] = {(batch, new, new)}, got "
-                         f"{tuple(new_mask.shape)}")
+        raise FastdraftError(f"new_mask must be [B, T, T] = {(batch, new, new)}, got "
+                             f"{tuple(new_mask.shape)}")
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastdraft.errors import FastdraftError
 from fastdraft.kernels.paged_attention import check_paged_inputs
 
 TILE = 64               # committed cells per loop step (several blocks through the block table)
@@ -148,7 +149,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     for name, size in (("block_size", block_size), ("head_dim", dim)):
         if size & (size - 1):
-            raise ValueError(f"paged_attention_triton: {name} must be a power of two, got {size}")
+            raise FastdraftError(f"paged_attention_triton: {name} must be a power of two, got "
+                                 f"{size}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     tables = block_tables.to(torch.int32).contiguous()

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastdraft.errors import FastdraftError
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -42,15 +44,15 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"config.json: {name} must be >= 1, got {getattr(self, name)}")
+                raise FastdraftError(f"config.json: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise FastdraftError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"config.json: rope type {rope_type!r} is not supported; "
-                             f"supported: {', '.join(ROPE_TYPES)}")
+            raise FastdraftError(f"config.json: rope type {rope_type!r} is not supported; "
+                                 f"supported: {', '.join(ROPE_TYPES)}")
 
     @property
     def num_kv_groups(self) -> int:
@@ -60,8 +62,8 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(f"config.json: model_type {model_type!r} is not supported; "
-                             f"supported: {', '.join(sorted(FAMILIES))}")
+            raise FastdraftError(f"config.json: model_type {model_type!r} is not supported; "
+                                 f"supported: {', '.join(sorted(FAMILIES))}")
         num_heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(hf)
         eos = hf.get("eos_token_id")
@@ -92,7 +94,12 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: point at an HF checkpoint directory "
                                     "(config.json + *.safetensors)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        try:
+            hf = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise FastdraftError(f"{path} is not valid JSON ({err}): copy it from the checkpoint "
+                                 "again") from None
+        return cls.from_hf_dict(hf)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """HF config.json contents; keeps every key the checkpoint had (generation ids, dtype)."""
@@ -148,15 +155,15 @@ def _llama(hf: dict[str, Any]) -> dict[str, bool]:
 @register_family("qwen2", "Qwen2ForCausalLM")
 def _qwen2(hf: dict[str, Any]) -> dict[str, bool]:
     if hf.get("use_sliding_window"):
-        raise ValueError("config.json: Qwen2 sliding-window attention is not supported; "
-                         "set use_sliding_window to false")
+        raise FastdraftError("config.json: Qwen2 sliding-window attention is not supported; "
+                             "set use_sliding_window to false")
     return dict(qkv_bias=True)
 
 
 @register_family("qwen3", "Qwen3ForCausalLM")
 def _qwen3(hf: dict[str, Any]) -> dict[str, bool]:
     if hf.get("use_sliding_window"):
-        raise ValueError("config.json: Qwen3 sliding-window attention is not supported; "
-                         "set use_sliding_window to false")
+        raise FastdraftError("config.json: Qwen3 sliding-window attention is not supported; "
+                             "set use_sliding_window to false")
     bias = bool(hf.get("attention_bias", False))
     return dict(qkv_bias=bias, o_proj_bias=bias, qk_norm=True)

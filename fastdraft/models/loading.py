@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from fastdraft.errors import FastdraftError
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
 from fastdraft.utils.atomic import atomic_dir
@@ -57,14 +58,14 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
         for name, tensor in named:
             if name not in params:
                 if strict:
-                    raise ValueError(f"weight {name!r} does not belong to this "
-                                     f"{type(model).__name__}; expected names like "
-                                     f"{next(iter(params))!r}")
+                    raise FastdraftError(f"weight {name!r} does not belong to this "
+                                         f"{type(model).__name__}; expected names like "
+                                         f"{next(iter(params))!r}")
                 continue
             param = params[name]
             if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model "
-                                 f"expects {tuple(param.shape)}")
+                raise FastdraftError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model "
+                                     f"expects {tuple(param.shape)}")
             param.copy_(tensor)
             loaded.append(name)
     return loaded
@@ -85,8 +86,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. "
-                         f"{sorted(missing)[:3]}")
+        raise FastdraftError(f"checkpoint {model_dir} lacks {len(missing)} weights, e.g. "
+                             f"{sorted(missing)[:3]}")
     return model.eval()
 
 

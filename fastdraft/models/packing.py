@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastdraft.errors import FastdraftError
+
 
 def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenates the linears' weights (and biases) along the output dim and re-points each
@@ -20,7 +22,7 @@ def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
         weight = torch.cat([lin.weight for lin in linears])
         has_bias = [lin.bias is not None for lin in linears]
         if any(has_bias) and not all(has_bias):
-            raise ValueError("cannot pack linears where only some have a bias")
+            raise FastdraftError("cannot pack linears where only some have a bias")
         bias = torch.cat([lin.bias for lin in linears]) if all(has_bias) else None
     start = 0
     for lin in linears:

@@ -20,6 +20,7 @@ import torch
 from fastdraft.databuffer import Sample
 from fastdraft.databuffer.sample import HIDDEN_DTYPE
 from fastdraft.drafter.warmup import first_drafted_pair
+from fastdraft.errors import FastdraftError
 from fastdraft.models import HiddenStates
 from fastdraft.rl.sequences import SequenceBatch, prompt_lengths, sequence_lengths
 
@@ -53,8 +54,8 @@ def actor_samples(batch: SequenceBatch, rows: dict[int, RowHidden], request_indi
     for r, h in sorted(rows.items()):
         n = lengths[r] - 1   # (hidden t, token t + 1) pairs
         if h.final.shape[0] != n:
-            raise ValueError(f"batch row {r}: hidden states of {h.final.shape[0]} positions "
-                             f"for a {lengths[r]}-token sequence (expected {n})")
+            raise FastdraftError(f"batch row {r}: hidden states of {h.final.shape[0]} positions "
+                                 f"for a {lengths[r]}-token sequence (expected {n})")
         positions = torch.arange(n)
         out.append(Sample(
             request_index=request_indices[r], policy_version=policy_version, rl_step=rl_step,

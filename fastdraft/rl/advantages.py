@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.registry import Registry
 
 GRPO_EPS = 1e-6
@@ -48,7 +49,7 @@ def available_advantages() -> list[str]:
 
 def advantage_defaults(name: str) -> dict[str, object]:
     """The keyword options estimator ``name`` takes, with their defaults (unknown name: a
-    ValueError listing the registered ones)."""
+    FastdraftError listing the registered ones)."""
     params = list(inspect.signature(_ADVANTAGES.get(name)).parameters.values())[1:]
     return {p.name: p.default for p in params}
 
@@ -61,11 +62,12 @@ def advantage_aggregation(name: str) -> str | None:
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Validate flat rewards [P * G] and view them as float [P, G]."""
     if group_size < 1:
-        raise ValueError(f"group_size={group_size}: use 1 or more samples per prompt")
+        raise FastdraftError(f"group_size={group_size}: use 1 or more samples per prompt")
     if rewards.dim() != 1:
-        raise ValueError(f"rewards has shape {tuple(rewards.shape)}: pass a flat [P * G] tensor")
+        raise FastdraftError(f"rewards has shape {tuple(rewards.shape)}: pass a flat [P * G] "
+                             "tensor")
     if rewards.numel() == 0 or rewards.numel() % group_size:
-        raise ValueError(
+        raise FastdraftError(
             f"{rewards.numel()} rewards is not a positive multiple of group_size={group_size}: "
             "pass all G samples of every prompt"
         )
@@ -73,7 +75,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if not rewards.is_floating_point():
         rewards = rewards.float()
     if not torch.isfinite(rewards).all():
-        raise ValueError("rewards contain NaN or inf: fix the reward function's output")
+        raise FastdraftError("rewards contain NaN or inf: fix the reward function's output")
     return rewards.view(-1, group_size)
 
 
@@ -87,7 +89,8 @@ def compute_advantages(
     accepted = list(advantage_defaults(name))
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"advantage {name!r} got unknown options {unknown}: it takes {accepted}")
+        raise FastdraftError(f"advantage {name!r} got unknown options {unknown}: it takes "
+                             f"{accepted}")
     return _ADVANTAGES.get(name)(_grouped(rewards, group_size), **options).reshape(-1)
 
 
@@ -113,7 +116,7 @@ def grpo_advantages(grouped: torch.Tensor, *, scale_std: bool = True) -> torch.T
     if not scale_std:
         return centered
     if grouped.shape[1] < 2:
-        raise ValueError("grpo with scale_std=True needs group_size >= 2 (std of one sample)")
+        raise FastdraftError("grpo with scale_std=True needs group_size >= 2 (std of one sample)")
     return centered / (grouped.std(dim=1, unbiased=True, keepdim=True) + GRPO_EPS)
 
 
@@ -140,6 +143,6 @@ def rloo_advantages(grouped: torch.Tensor) -> torch.Tensor:
     """
     g = grouped.shape[1]
     if g < 2:
-        raise ValueError(f"rloo needs group_size >= 2 (got {g}): leave-one-out needs others")
+        raise FastdraftError(f"rloo needs group_size >= 2 (got {g}): leave-one-out needs others")
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (g - 1)
     return grouped - others_mean

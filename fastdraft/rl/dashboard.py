@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fastdraft.cluster.timeline import STATES, Span, is_rollout_worker, read_timeline
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.metrics import read_metrics
 
 DASHBOARD_FILE = "dashboard.png"
@@ -35,17 +36,18 @@ def draw_dashboard(run_dir: str | Path, out: str | Path | None = None,
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     if not rows:
-        raise ValueError(f"{run_dir} has no logged steps yet")
+        raise FastdraftError(f"{run_dir} has no logged steps yet")
     reference_rows = None
     if reference is not None:
         reference = Path(reference)
         reference_rows = read_metrics(reference)
         if not reference_rows:
-            raise ValueError(f"the reference {reference} has no logged steps yet")
+            raise FastdraftError(f"the reference {reference} has no logged steps yet")
         # Its lines are labelled "plain decoding": a speculating run there would lie.
         if any("rollout/accept_length" in r for r in reference_rows):
-            raise ValueError(f"the reference {reference} speculates: give a run of the same "
-                             "recipe without speculation (e.g. `fastdraft bench recipe`'s OUT/off)")
+            raise FastdraftError(f"the reference {reference} speculates: give a run of the same "
+                                 "recipe without speculation (e.g. `fastdraft bench recipe`'s "
+                                 "OUT/off)")
     fig = dashboard_figure(rows, reference_rows,
                            reference_name=reference.name if reference else "",
                            title=str(run_dir), timeline=read_timeline(run_dir) or None)

@@ -16,6 +16,7 @@ from fastdraft.config import RunConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 from fastdraft.rl.memory_plan import ActorPlan, RunPlan
 from fastdraft.rl.online_drafter import trainer_aux_layers
@@ -52,7 +53,7 @@ def node_capacity(device: str, device_gb: float | None) -> Capacity:
     name = str(torch.device(device))
     if device_gb is not None:
         if device_gb <= 0:
-            raise ValueError(f"--device-memory-gb must be > 0, got {device_gb}")
+            raise FastdraftError(f"--device-memory-gb must be > 0, got {device_gb}")
         return Capacity.of(name, int(device_gb * GB))
     if torch.device(device).type != "cuda":
         total, available = host_memory()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdraft.config.sections import GateSection
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.token_stats import TokenStats, law_statistic
 
 # (mean, quantile, max, max_share) of |actor - engine| per token that rounding explains, by
@@ -43,9 +44,9 @@ DTYPE_TOLERANCE = {"float32": (1e-3, 1e-2, 0.1, 0.0), "float16": (0.02, 0.2, 2.0
 COARSENESS = ("float32", "float16", "bfloat16")
 
 
-class LosslessGateError(ValueError):
+class LosslessGateError(FastdraftError):
     """The engine's rollout is not the policy's: a speculation or weight-push bug. (A
-    ValueError, so the CLI stops with its message rather than a traceback.)"""
+    FastdraftError, so the CLI stops with its message rather than a traceback.)"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,8 +71,8 @@ class GateTolerance:
         the recipe's algorithm.gate values, where set, override."""
         for name in (serve_dtype, compute_dtype):
             if name not in DTYPE_TOLERANCE:
-                raise ValueError(f"no gate tolerance for dtype {name!r}: use one of "
-                                 f"{sorted(DTYPE_TOLERANCE)}")
+                raise FastdraftError(f"no gate tolerance for dtype {name!r}: use one of "
+                                     f"{sorted(DTYPE_TOLERANCE)}")
         coarser = max(serve_dtype, compute_dtype, key=COARSENESS.index)
         mean, quantile_diff, worst, share = DTYPE_TOLERANCE[coarser]
         s = section or GateSection()

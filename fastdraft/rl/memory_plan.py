@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastdraft.engine.memory_plan import EnginePlan, largest_fitting
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.utils.device_memory import gb
 
@@ -276,10 +277,11 @@ def check_run_plan(engine_plan: EnginePlan, actor_plan: ActorPlan,
         over.append(f"{gb(plan.device0_bytes)} on {where}")
     if not plan.fits(cap, device0=False):
         over.append(f"{gb(actor_plan.per_rank_bytes)} on each other rank's device")
-    raise ValueError(f"the run's memory plan needs {' and '.join(over)}, more than the {gb(cap)} "
-                     f"usable on a device (engine {gb(engine_plan.total)}, of it KV cache "
-                     f"{gb(engine_plan.kv_cache)}; actor {gb(actor_plan.per_rank_bytes)} a rank, "
-                     f"activations {gb(actor_plan.activations)}). " + _fixes(plan, cap))
+    raise FastdraftError(f"the run's memory plan needs {' and '.join(over)}, more than the "
+                         f"{gb(cap)} usable on a device (engine {gb(engine_plan.total)}, of it "
+                         f"KV cache {gb(engine_plan.kv_cache)}; actor "
+                         f"{gb(actor_plan.per_rank_bytes)} a rank, activations "
+                         f"{gb(actor_plan.activations)}). " + _fixes(plan, cap))
 
 
 def _fixes(plan: RunPlan, cap: int) -> str:

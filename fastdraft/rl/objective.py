@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fastdraft.config.sections import AlgorithmConfig
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.advantages import (
     advantage_aggregation,
     compute_advantages,
@@ -74,7 +75,7 @@ class Algorithm:
         actor/skipped_sequences, a count."""
         if total is None:
             if batch is None:
-                raise ValueError("objective() needs the batch or its normaliser (total=)")
+                raise FastdraftError("objective() needs the batch or its normaliser (total=)")
             total = self.normaliser(batch)
 
         def loss_of(logprobs: torch.Tensor, mb: SequenceBatch

@@ -26,6 +26,7 @@ from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.drafter.losses import LOSSES as KIND_LOSSES
 from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.actor_samples import RowHidden, actor_samples
 from fastdraft.rl.drafter_health import DrafterHealth, published_problem
 from fastdraft.rl.fixed_drafter import engine_drafter_state, load_engine_drafter
@@ -47,8 +48,8 @@ class OnlineDrafter:
         engine's)."""
         drafter = engine.model_drafter
         if drafter is None:
-            raise ValueError("drafter.online.enabled needs a drafter in the engine: set "
-                             "rollout.spec.method=eagle")
+            raise FastdraftError("drafter.online.enabled needs a drafter in the engine: set "
+                                 "rollout.spec.method=eagle")
         self.cfg, self.seed, self.engine = cfg, seed, engine
         # auto: the engine's capture where it has one (fastdraft's engine; vLLM has none)
         self.source = (cfg.source if cfg.source != "auto"
@@ -377,9 +378,9 @@ def online_loss(loss: str | None, kind: str) -> str:
     refused here, before the worker would raise on its first micro-step."""
     name = loss or kind
     if name in KIND_LOSSES and name != kind:
-        raise ValueError(f"drafter.online.loss={name} trains an {name} drafter, but the run's "
-                         f"drafter is {kind}: set drafter.online.loss={kind} or reward_kd, or "
-                         "leave it unset (the drafter kind's own loss)")
+        raise FastdraftError(f"drafter.online.loss={name} trains an {name} drafter, but the run's "
+                             f"drafter is {kind}: set drafter.online.loss={kind} or reward_kd, or "
+                             "leave it unset (the drafter kind's own loss)")
     return name
 
 

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.registry import Registry
 
 # exp() of a log-ratio beyond this is clipped anyway; clamping keeps ratio and k3 finite.
@@ -38,7 +39,7 @@ class PolicyBatch:
     ``mask`` [B, T] bool: answer tokens. ``ref_logprobs`` [B, T] or None: frozen reference for
     KL. ``sample_weight`` [B] or None: >= 0 per sequence, 0 skips it (e.g. DAPO's zero-variance
     groups, found with ``advantages.zero_variance_groups``). Non-finite values where ``mask``
-    is true raise ValueError: a NaN there would silently poison the whole update. A caller
+    is true raise a FastdraftError: a NaN there would silently poison the whole update. A caller
     that must survive one bad sequence masks it out first (``finite_sequences``: its mask row
     all False, so it weighs nothing); ``Algorithm.objective`` (rl/objective.py) does.
     """
@@ -53,25 +54,25 @@ class PolicyBatch:
     def __post_init__(self) -> None:
         shape = tuple(self.logprobs.shape)
         if len(shape) != 2:
-            raise ValueError(f"logprobs has shape {shape}: pass [B, T]")
+            raise FastdraftError(f"logprobs has shape {shape}: pass [B, T]")
         wanted = {"old_logprobs": shape, "mask": shape, "ref_logprobs": shape}
         wanted |= {"advantages": shape[:1], "sample_weight": shape[:1]}
         for name, want in wanted.items():
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != want:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}: expected {want}")
+                raise FastdraftError(f"{name} has shape {tuple(t.shape)}: expected {want}")
         if self.mask.dtype != torch.bool:
-            raise ValueError(f"mask has dtype {self.mask.dtype}: pass a bool tensor")
+            raise FastdraftError(f"mask has dtype {self.mask.dtype}: pass a bool tensor")
         with torch.no_grad():
             for name in ("logprobs", "old_logprobs", "ref_logprobs"):
                 t = getattr(self, name)
                 if t is not None and not torch.isfinite(t[self.mask]).all():
-                    raise ValueError(f"{name} has NaN/inf on masked (answer) tokens")
+                    raise FastdraftError(f"{name} has NaN/inf on masked (answer) tokens")
             if not torch.isfinite(self.advantages[self.mask.any(dim=1)]).all():
-                raise ValueError("advantages have NaN/inf for sequences with answer tokens")
+                raise FastdraftError("advantages have NaN/inf for sequences with answer tokens")
             w = self.sample_weight
             if w is not None and not (torch.isfinite(w) & (w >= 0)).all():
-                raise ValueError("sample_weight must be finite and >= 0 (0 skips a sequence)")
+                raise FastdraftError("sample_weight must be finite and >= 0 (0 skips a sequence)")
 
 
 def finite_sequences(mask: torch.Tensor, advantages: torch.Tensor,
@@ -134,9 +135,9 @@ def aggregate(
     Values off the mask are replaced (not multiplied) by 0, so NaN there cannot leak in.
     """
     if mode not in _AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {mode!r}: choose one of {sorted(_AGGREGATIONS)}")
+        raise FastdraftError(f"unknown aggregation {mode!r}: choose one of {sorted(_AGGREGATIONS)}")
     if max_tokens is not None and (mode != "seq-mean-token-sum-norm" or max_tokens < 1):
-        raise ValueError(f"max_tokens={max_tokens}: only >= 1 with seq-mean-token-sum-norm")
+        raise FastdraftError(f"max_tokens={max_tokens}: only >= 1 with seq-mean-token-sum-norm")
     values = torch.where(mask, values, torch.zeros_like(values))
     weight = torch.ones_like(values[:, 0]) if sample_weight is None else sample_weight.to(values)
     return _AGGREGATIONS[mode](values, mask, weight, max_tokens)
@@ -158,7 +159,7 @@ def available_policy_losses() -> list[str]:
 
 def policy_loss_defaults(name: str) -> dict[str, object]:
     """The keyword options loss ``name`` takes, with their defaults (unknown name: a
-    ValueError listing the registered ones)."""
+    FastdraftError listing the registered ones)."""
     params = list(inspect.signature(_LOSSES.get(name)).parameters.values())[1:]
     return {p.name: p.default for p in params}
 
@@ -176,7 +177,8 @@ def policy_loss(
     accepted = list(policy_loss_defaults(name))
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"policy loss {name!r} got unknown options {unknown}: it takes {accepted}")
+        raise FastdraftError(f"policy loss {name!r} got unknown options {unknown}: it takes "
+                             f"{accepted}")
     return _LOSSES.get(name)(batch, **options)
 
 
@@ -190,9 +192,9 @@ def _clipped_surrogate(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate per token + kl_coef * k3, aggregated; shared by GRPO and DAPO."""
     if not (0 <= clip_low < 1 and clip_high >= 0):
-        raise ValueError(f"clip range ({clip_low}, {clip_high}): need 0 <= low < 1, high >= 0")
+        raise FastdraftError(f"clip range ({clip_low}, {clip_high}): need 0 <= low < 1, high >= 0")
     if kl_coef < 0 or (kl_coef > 0 and batch.ref_logprobs is None):
-        raise ValueError(f"kl_coef={kl_coef}: use >= 0, and pass ref_logprobs when > 0")
+        raise FastdraftError(f"kl_coef={kl_coef}: use >= 0, and pass ref_logprobs when > 0")
     mask = batch.mask
     zero = torch.zeros_like(batch.logprobs)
     # where() (not *mask) so garbage off the mask gets neither into the loss nor into grads

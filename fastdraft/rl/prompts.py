@@ -41,12 +41,14 @@ class PromptSource:
             self.reward_fn = get_reward(cfg.reward)
             self.rows = rows if rows is not None else load_prompts(
                 Path(cfg.path).expanduser(), cfg.prompt_key, cfg.answer_key)
-            for i, row in enumerate(self.rows):
-                n = len(self._encode(row["prompt"]))
-                if n > max_prompt_len:
-                    raise FastdraftError(f"prompt {i} of {cfg.path} has {n} tokens, more than the "
-                                     f"{max_prompt_len} rollout.max_seq_len leaves after "
-                                     "max_new_tokens: raise rollout.max_seq_len or drop it")
+            lengths = [len(self._encode(row["prompt"])) for row in self.rows]
+            over = [i for i, n in enumerate(lengths) if n > max_prompt_len]
+            if over:
+                raise FastdraftError(
+                    f"{cfg.path}: row {over[0]}'s prompt has {lengths[over[0]]} tokens "
+                    f"({len(over)} of {len(lengths)} rows are over), more than the "
+                    f"{max_prompt_len} rollout.max_seq_len leaves after max_new_tokens: raise "
+                    "rollout.max_seq_len or drop those rows")
         self.pool: list[PromptItem] = []
         if self.task is not None and cfg.task_pool is not None:
             rng = random.Random(f"{cfg.seed}/pool")

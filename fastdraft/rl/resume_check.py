@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdraft.checkpoint.layout import CONFIG_FILE
+from fastdraft.errors import FastdraftError
 
 #: Dotted keys (or prefixes ending in ".") a resumed run may change.
 FREE_ON_RESUME = (
@@ -47,13 +48,13 @@ def learning_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_resume_config(checkpoint: Path, new: dict[str, Any], force: bool) -> None:
-    """Raises ValueError listing the learning settings the new config changes (unless
+    """Raises a FastdraftError listing the learning settings the new config changes (unless
     force)."""
     saved = json.loads((checkpoint / CONFIG_FILE).read_text())
     changed = learning_changes(saved, json.loads(json.dumps(new)))   # as the checkpoint has it
     if changed and not force:
-        raise ValueError(f"--resume would change what the run learns ({'; '.join(changed)}); "
-                         f"resume with the recipe and overrides of {checkpoint.parent.parent}"
-                         "/config.yaml, or pass --resume-force to continue under the new ones")
+        raise FastdraftError(f"--resume would change what the run learns ({'; '.join(changed)}); "
+                             f"resume with the recipe and overrides of {checkpoint.parent.parent}"
+                             "/config.yaml, or pass --resume-force to continue under the new ones")
     if changed:
         print("resuming with changed settings (--resume-force): " + "; ".join(changed))

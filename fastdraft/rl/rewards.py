@@ -3,7 +3,7 @@
 Every reward has the signature ``(completion_text: str, answer: str) -> float`` so a recipe can
 name its reward without knowing whether it comes from a task verifier or a text rule. A reward
 never raises on the completion (policies write garbage and get truncated); an empty or
-non-string reference ``answer`` is a data error and raises ValueError.
+non-string reference ``answer`` is a data error and raises a FastdraftError.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.tasks import Problem, Task, get_task
 from fastdraft.utils.registry import Registry
 
@@ -91,7 +92,7 @@ def _as_number(answer: str) -> Fraction | None:
 
 def _check_reference(answer: str) -> None:
     if not isinstance(answer, str) or not answer.strip():
-        raise ValueError(f"reference answer {answer!r}: give a non-empty string")
+        raise FastdraftError(f"reference answer {answer!r}: give a non-empty string")
 
 
 @register_reward("math")

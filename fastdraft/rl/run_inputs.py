@@ -44,14 +44,14 @@ def check_devices(cfg: RunConfig) -> None:
         if not torch.cuda.is_available():
             build = (f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda
                      is None else f"this torch ({torch.__version__}) sees no CUDA device")
-            raise ValueError(f"{key}={device}, but {build}: replace it with a CUDA build "
-                             "(.venv/bin/pip uninstall -y torch && FASTDRAFT_TORCH=torch "
-                             "FASTDRAFT_TORCH_INDEX=https://download.pytorch.org/whl/cu126 bash "
-                             f"scripts/setup.sh; README: Run on a GPU) or set {key}=cpu")
+            raise FastdraftError(f"{key}={device}, but {build}: replace it with a CUDA build "
+                                 "(.venv/bin/pip uninstall -y torch && FASTDRAFT_TORCH=torch "
+                                 "FASTDRAFT_TORCH_INDEX=https://download.pytorch.org/whl/cu126 "
+                                 f"bash scripts/setup.sh; README: Run on a GPU) or set {key}=cpu")
         index = torch.device(device).index
         if index is not None and index >= torch.cuda.device_count():
-            raise ValueError(f"{key}={device}, but this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
+            raise FastdraftError(f"{key}={device}, but this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
@@ -148,7 +148,7 @@ def rollout_seq_len(cfg: RunConfig) -> int:
         return cfg.rollout.max_seq_len
     from fastdraft.rl.tasks import get_task
     if cfg.data.task is None:
-        raise ValueError("rollout.max_seq_len must be set for prompt files")
+        raise FastdraftError("rollout.max_seq_len must be set for prompt files")
     task = get_task(cfg.data.task, **cfg.data.task_options)
     longest = getattr(task, "max_prompt_chars", None)
     if longest is None:

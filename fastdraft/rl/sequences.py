@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastdraft.errors import FastdraftError
+
 
 @dataclass(frozen=True, slots=True)
 class SequenceBatch:
@@ -61,8 +63,8 @@ def build_batch(prompts: list[list[int]], answers: list[list[int]],
     """One row per sample: prompt ids, answer ids (what the engine generated, EOS included) and
     the engine's logprob of each answer token."""
     if not (len(prompts) == len(answers) == len(logprobs) == len(advantages)):
-        raise ValueError("prompts, answers, logprobs and advantages must have one entry per "
-                         "sample")
+        raise FastdraftError("prompts, answers, logprobs and advantages must have one entry per "
+                             "sample")
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     batch = len(prompts)
     ids = torch.zeros(batch, width, dtype=torch.long)
@@ -70,7 +72,7 @@ def build_batch(prompts: list[list[int]], answers: list[list[int]],
     old = torch.zeros(batch, width - 1)
     for row, (p, a, lp) in enumerate(zip(prompts, answers, logprobs)):
         if len(lp) != len(a):
-            raise ValueError(f"sample {row}: {len(a)} answer tokens but {len(lp)} logprobs")
+            raise FastdraftError(f"sample {row}: {len(a)} answer tokens but {len(lp)} logprobs")
         ids[row, : len(p) + len(a)] = torch.tensor(p + a)
         start = len(p) - 1
         mask[row, start: start + len(a)] = True

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.models.loading import iter_safetensors, load_model
 
@@ -111,8 +112,8 @@ def load_sharded(policy_dir: Path, device: torch.device, compute_dtype: torch.dt
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - set(full)
         if missing:
-            raise ValueError(f"checkpoint {policy_dir} lacks {len(missing)} weights, e.g. "
-                             f"{sorted(missing)[:3]}")
+            raise FastdraftError(f"checkpoint {policy_dir} lacks {len(missing)} weights, e.g. "
+                                 f"{sorted(missing)[:3]}")
     set_model_state_dict(model, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=True, strict=False))
     return model

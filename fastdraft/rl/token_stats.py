@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from fastdraft.engine.sampler import filter_top_k_top_p
+from fastdraft.errors import FastdraftError
 
 # fp32 bytes of one chunk of the [*, V] work tensors: the full [B, T, V] logits are never copied.
 CHUNK_BYTES = 64 * 2**20
@@ -73,10 +74,10 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     there (0 elsewhere); None: everywhere. Works in chunks of positions, so at most a chunk of
     fp32 [*, V] temporaries exists at a time, never a second [B, T, V] copy; keeps no graph."""
     if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: the law of sampled tokens needs T > 0")
+        raise FastdraftError(f"temperature={temperature}: the law of sampled tokens needs T > 0")
     batch, width, vocab = logits.shape
     if tuple(targets.shape) != (batch, width):
-        raise ValueError(f"targets has shape {tuple(targets.shape)}: expected {(batch, width)}")
+        raise FastdraftError(f"targets has shape {tuple(targets.shape)}: expected {(batch, width)}")
     where = (torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.cpu())
     index = where.nonzero()                                                  # [M, 2]
     out = torch.zeros(4, batch, width)
@@ -114,8 +115,8 @@ def law_statistic(stats: TokenStats, mask: torch.Tensor) -> LawStatistic:
     """The law statistic z (module docstring) over the tokens of mask [B, T] with finite
     statistics; needs stats.entropy (a logprob-only TokenStats has no law)."""
     if stats.entropy is None or stats.variance is None or stats.sample_logprob is None:
-        raise ValueError("the law statistic needs TokenStats with sample_logprob, entropy and "
-                         "variance (token_stats computes them)")
+        raise FastdraftError("the law statistic needs TokenStats with sample_logprob, entropy and "
+                             "variance (token_stats computes them)")
     mask = mask.bool() & torch.isfinite(stats.entropy) & torch.isfinite(stats.variance)
     inside = mask & torch.isfinite(stats.sample_logprob)
     surprise = -stats.sample_logprob[inside].double()

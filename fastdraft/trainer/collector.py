@@ -36,6 +36,7 @@ from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.warmup import first_drafted_pair
 from fastdraft.engine import Completion
 from fastdraft.engine.capture import HiddenRecord
+from fastdraft.errors import FastdraftError
 from fastdraft.utils.objects import resolved
 
 #: Share of the budget below which a new request is admitted (the rest: room to grow).
@@ -51,7 +52,7 @@ class SampleCollector:
     def __init__(self, buffer: DataBuffer, budget_bytes: int | None = None,
                  row_bytes: int = 0) -> None:
         if budget_bytes is not None and budget_bytes < 1:
-            raise ValueError(f"SampleCollector budget_bytes must be >= 1, got {budget_bytes}")
+            raise FastdraftError(f"SampleCollector budget_bytes must be >= 1, got {budget_bytes}")
         self.buffer = buffer
         self.budget_bytes, self.row_bytes = budget_bytes, row_bytes
         self.rl_step = 0

@@ -19,6 +19,7 @@ from torch import nn
 
 from fastdraft.drafter.base import Drafter
 from fastdraft.drafter.losses import DEFAULT_NUM_STEPS, LOSSES, Metrics, unrolled_loss
+from fastdraft.errors import FastdraftError
 from fastdraft.models import HiddenStates
 from fastdraft.utils.registry import Registry
 
@@ -42,13 +43,13 @@ class DraftBatch:
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
         if self.valid.shape != shape or self.hidden.final.shape[:2] != shape:
-            raise ValueError(f"DraftBatch: input_ids {tuple(shape)}, valid "
-                             f"{tuple(self.valid.shape)} and hidden "
-                             f"{tuple(self.hidden.final.shape)} must agree on [B, T]")
+            raise FastdraftError(f"DraftBatch: input_ids {tuple(shape)}, valid "
+                                 f"{tuple(self.valid.shape)} and hidden "
+                                 f"{tuple(self.hidden.final.shape)} must agree on [B, T]")
         for name in ("segments", "positions"):
             value = getattr(self, name)
             if value is not None and value.shape != shape:
-                raise ValueError(f"DraftBatch.{name} must be [B, T] like input_ids")
+                raise FastdraftError(f"DraftBatch.{name} must be [B, T] like input_ids")
 
     def to(self, device: torch.device) -> DraftBatch:
         """The batch on `device` (itself when already there)."""
@@ -91,7 +92,8 @@ def reward_weights(rewards: torch.Tensor, floor: float = 0.1, max_weight: float 
     answer entirely; the floor keeps them at a small weight, since the drafter must still
     draft what the policy samples there."""
     if floor <= 0 or max_weight <= 0:
-        raise ValueError(f"reward_weights: floor={floor} and max_weight={max_weight} must be > 0")
+        raise FastdraftError(f"reward_weights: floor={floor} and max_weight={max_weight} must be "
+                             "> 0")
     raw = rewards.float().clamp_min(0) + floor
     return (raw / raw.mean()).clamp_max(max_weight)
 
@@ -102,8 +104,8 @@ def _packing(batch: DraftBatch) -> dict[str, torch.Tensor | None]:
 
 def _kind_check(drafter: Drafter, kind: str) -> None:
     if drafter.kind != kind:
-        raise ValueError(f"drafter loss {kind!r} trains an {kind} drafter, not {drafter.kind}: "
-                         f"use drafter loss {drafter.kind!r} or 'reward_kd'")
+        raise FastdraftError(f"drafter loss {kind!r} trains an {kind} drafter, not {drafter.kind}: "
+                             f"use drafter loss {drafter.kind!r} or 'reward_kd'")
 
 
 def _kind_loss(kind: str) -> DrafterLoss:
@@ -125,7 +127,7 @@ def reward_kd(drafter: Drafter, batch: DraftBatch, lm_head: nn.Module,
               num_steps: int | None = None, floor: float = 0.1, max_weight: float = 3.0
               ) -> tuple[torch.Tensor, Metrics]:
     if batch.rewards is None:
-        raise ValueError("drafter loss 'reward_kd' needs every sample's reward (batch.rewards)")
+        raise FastdraftError("drafter loss 'reward_kd' needs every sample's reward (batch.rewards)")
     per_sample = reward_weights(batch.rewards, floor, max_weight)
     weights = per_sample[batch.sample_of_token()]
     loss, metrics = unrolled_loss(

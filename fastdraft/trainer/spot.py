@@ -28,6 +28,7 @@ from fastdraft.drafter.acceptance import AcceptEstimate, expected_accept
 from fastdraft.drafter.base import Drafter
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.drafter.losses import DEFAULT_NUM_STEPS
+from fastdraft.errors import FastdraftError
 from fastdraft.trainer.losses import DraftBatch, compute_drafter_loss
 from fastdraft.utils.digest import tensor_digest
 from fastdraft.utils.schedule import warmup_lr
@@ -54,14 +55,14 @@ class SpotConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.token_budget < 2 or self.grad_clip <= 0:
-            raise ValueError("drafter online training: lr and grad_clip must be > 0 and "
-                             "token_budget >= 2")
+            raise FastdraftError("drafter online training: lr and grad_clip must be > 0 and "
+                                 "token_budget >= 2")
         if self.lr_warmup_steps < 0:
-            raise ValueError(f"drafter online training: lr_warmup_steps must be >= 0, got "
-                             f"{self.lr_warmup_steps}")
+            raise FastdraftError(f"drafter online training: lr_warmup_steps must be >= 0, got "
+                                 f"{self.lr_warmup_steps}")
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"drafter online training on {self.device!r}, but this machine "
-                             "has no CUDA device: set drafter.online.device=cpu")
+            raise FastdraftError(f"drafter online training on {self.device!r}, but this machine "
+                                 "has no CUDA device: set drafter.online.device=cpu")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of micro-step ``step`` (0-based, counted over the whole run)."""

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from fastdraft.errors import FastdraftError
+
 GB = 10**9
 GIB = 2**30
 MARGIN_FRACTION = 0.05
@@ -50,7 +52,7 @@ class Capacity:
 
     def __post_init__(self) -> None:
         if min(self.total, self.free, self.margin, self.reserved) < 0:
-            raise ValueError(f"capacity of {self.device}: byte counts must be >= 0")
+            raise FastdraftError(f"capacity of {self.device}: byte counts must be >= 0")
 
     @classmethod
     def of(cls, device: str, total: int, free: int | None = None, reserved: int = 0

@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from fastdraft.errors import FastdraftError
+
 SUMS_FILE = "SHA256SUMS"
 _CHUNK = 1 << 22
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(FastdraftError):
     """A file whose bytes are not the ones recorded when it was written; names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from fastdraft.errors import FastdraftError
+
 _V = TypeVar("_V")
 
 
@@ -19,7 +21,7 @@ class Registry(Generic[_V]):
         no-op, another one under a taken name an error)."""
         def decorate(item: _V) -> _V:
             if self._items.get(name, item) is not item:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
+                raise FastdraftError(f"{self.kind} {name!r} is already registered")
             self._items[name] = item
             return item
         return decorate
@@ -29,7 +31,7 @@ class Registry(Generic[_V]):
 
     def get(self, name: str) -> _V:
         if name not in self._items:
-            raise ValueError(f"unknown {self.kind} {name!r}: choose one of {self.names()}")
+            raise FastdraftError(f"unknown {self.kind} {name!r}: choose one of {self.names()}")
         return self._items[name]
 
     def __contains__(self, name: object) -> bool:

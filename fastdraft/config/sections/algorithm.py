@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdraft.config.sections.common import require as _require
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.advantages import (
     advantage_aggregation,
     advantage_defaults,
@@ -93,7 +94,7 @@ class AlgorithmConfig:
             if getattr(self, name) is not None and name not in taken[kind]:
                 names, defaults = _REGISTRIES[kind]
                 takers = [n for n in names() if name in defaults(n)]
-                raise ValueError(
+                raise FastdraftError(
                     f"algorithm.{name} does nothing with algorithm.{kind}: {getattr(self, kind)} "
                     f"(only {kind} {' / '.join(takers) or '(none)'} takes it): delete it, or "
                     f"choose such a {kind}"
@@ -113,6 +114,6 @@ def _options(kind: str, name: str) -> dict[str, Any]:
     try:
         return _REGISTRIES[kind][1](name)
     except ValueError as err:
-        raise ValueError(f"algorithm.{kind}: {err}") from None
+        raise FastdraftError(f"algorithm.{kind}: {err}") from None
 
 

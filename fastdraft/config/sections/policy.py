@@ -9,6 +9,7 @@ from typing import Any
 from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS
 from fastdraft.config.sections.common import DTYPES
 from fastdraft.config.sections.common import require as _require
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +68,6 @@ class DataConfig:
             try:
                 get_task(self.task, **self.task_options)
             except ValueError as err:
-                raise ValueError(f"data.task / data.task_options: {err}") from None
+                raise FastdraftError(f"data.task / data.task_options: {err}") from None
 
 

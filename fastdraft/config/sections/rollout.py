@@ -9,6 +9,7 @@ from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.engine.spec.budget import BudgetConfig
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tuner import TunerConfig
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +42,7 @@ class TunerSection:
                 return TunerConfig.from_names(self.buckets, **knobs)
             return TunerConfig.default(spec, self.elastic_threshold, max_batch, **knobs)
         except ValueError as err:
-            raise ValueError(f"rollout.tuner: {err}") from None
+            raise FastdraftError(f"rollout.tuner: {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +63,7 @@ class BudgetSection:
         try:
             return BudgetConfig(window=self.window, margin=self.margin)
         except ValueError as err:
-            raise ValueError(f"rollout.budget: {err}") from None
+            raise FastdraftError(f"rollout.budget: {err}") from None
 
 
 #: What serves the rollouts (fastdraft/backends): fastdraft's engine, or vLLM (installed apart).

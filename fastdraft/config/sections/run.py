@@ -72,13 +72,13 @@ class RunConfig:
                  f"cluster.gpus_per_worker={self.cluster.gpus_per_worker} shares GPUs, and the "
                  f"rollout workers run on {worker_device}: set model.device=cuda (or "
                  "cluster.worker_device=cuda), or leave cluster.gpus_per_worker at 1")
+        if self.rollout.backend == "vllm":
+            self._check_vllm()
         method = self.rollout.spec.method
         _require(not self.drafter.online.enabled or self.rollout.spec.uses_drafter,
                  f"drafter.online.enabled trains the EAGLE drafter the rollouts serve, and "
                  f"rollout.spec.method={method} serves none: add drafter.online.enabled=false "
                  f"(or serve one: rollout.spec.method=eagle)")
-        if self.rollout.backend == "vllm":
-            self._check_vllm()
 
     def _check_vllm(self) -> None:
         """What rollout.backend=vllm serves (backends/vllm_rollout.py): fastdraft's own

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdraft.engine.request import Request
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,14 +39,14 @@ class BudgetConfig:
 
     def __post_init__(self) -> None:
         if self.window < 1:
-            raise ValueError(f"budget window must be >= 1 RL step, got {self.window}")
+            raise FastdraftError(f"budget window must be >= 1 RL step, got {self.window}")
         if self.margin <= 0:
-            raise ValueError(f"budget margin must be > 0, got {self.margin}")
+            raise FastdraftError(f"budget margin must be > 0, got {self.margin}")
         if not 0 < self.accept_ema <= 1:
-            raise ValueError(f"budget accept_ema must be in (0, 1], got {self.accept_ema}")
+            raise FastdraftError(f"budget accept_ema must be in (0, 1], got {self.accept_ema}")
         if self.initial_accept_length < 1:
-            raise ValueError("budget initial_accept_length must be >= 1, got "
-                             f"{self.initial_accept_length}")
+            raise FastdraftError("budget initial_accept_length must be >= 1, got "
+                                 f"{self.initial_accept_length}")
 
 
 class _Tail:

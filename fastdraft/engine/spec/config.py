@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastdraft.errors import FastdraftError
+
 #: The multi-source method: EAGLE's tree with the suffix drafter's candidates grafted in.
 MERGED = "eagle+suffix"
 
@@ -23,11 +25,11 @@ class SpecConfig:
     def __post_init__(self) -> None:
         from fastdraft.engine.spec.setup import known_methods
         if self.method not in known_methods():
-            raise ValueError(f"unknown spec method {self.method!r}; choose one of "
-                             f"{known_methods()}")
+            raise FastdraftError(f"unknown spec method {self.method!r}; choose one of "
+                                 f"{known_methods()}")
         if self.depth < 1 or self.topk < 1 or self.tokens_to_verify < 1:
-            raise ValueError("depth, topk and tokens_to_verify must be >= 1, got "
-                             f"{self.depth}, {self.topk}, {self.tokens_to_verify}")
+            raise FastdraftError("depth, topk and tokens_to_verify must be >= 1, got "
+                                 f"{self.depth}, {self.topk}, {self.tokens_to_verify}")
 
     @property
     def enabled(self) -> bool:

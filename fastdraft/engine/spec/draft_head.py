@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastdraft.drafter.base import Drafter
+from fastdraft.errors import FastdraftError
 
 
 class DraftHead:
@@ -21,7 +22,7 @@ class DraftHead:
             token_ids = torch.as_tensor(token_ids, dtype=torch.long)
             if token_ids.dim() != 1 or not len(token_ids) or len(set(token_ids.tolist())) != len(
                     token_ids) or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
-                raise ValueError(f"draft token ids must be distinct ids in [0, {vocab})")
+                raise FastdraftError(f"draft token ids must be distinct ids in [0, {vocab})")
             token_ids = token_ids.to(next(drafter.parameters()).device)
         self.token_ids = token_ids
         self.weight: torch.Tensor | None = None

@@ -36,6 +36,7 @@ from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.probs import conditioned_gumbel_topk
 from fastdraft.engine.spec.proposer import Proposer, register_proposer
 from fastdraft.engine.step_io import SamplingMode, StepIO
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, CausalLM, HiddenStates, KVView
 from fastdraft.models.attn_meta import TreeMask, causal_pairs_mask
 from fastdraft.models.packing import pack_for_inference
@@ -59,8 +60,8 @@ class EagleProposer(Proposer):
         self.device, self.dtype = param.device, param.dtype
         self.envelope, self.sample_top_m = envelope, sample_top_m
         if drafter.rope.cos.shape[0] < envelope.rope_len:
-            raise ValueError(f"drafter rotary table ({drafter.rope.cos.shape[0]}) is shorter "
-                             f"than the engine's positions ({envelope.rope_len})")
+            raise FastdraftError(f"drafter rotary table ({drafter.rope.cos.shape[0]}) is shorter "
+                                 f"than the engine's positions ({envelope.rope_len})")
         shape = (num_slots, cfg.num_key_value_heads, envelope.cache_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
@@ -307,8 +308,8 @@ def create_eagle_proposer(*, model: CausalLM, drafter_path: str | Path | None, n
                           **_: object) -> EagleProposer:
     """Loads the drafter (checked against the policy: a mismatch fails at engine start)."""
     if drafter_path is None:
-        raise ValueError("spec method 'eagle' needs drafter=PATH: train one with "
-                         "`fastdraft drafter warmup --policy DIR`")
+        raise FastdraftError("spec method 'eagle' needs drafter=PATH: train one with "
+                             "`fastdraft drafter warmup --policy DIR`")
     from fastdraft.drafter import load_drafter
     drafter = load_drafter(drafter_path, model, max_positions=envelope.rope_len)
     return EagleProposer(drafter=drafter, num_slots=num_slots, envelope=envelope,

@@ -20,6 +20,7 @@ import torch
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
 from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.errors import FastdraftError
 
 if TYPE_CHECKING:
     from fastdraft.engine.prefix_share import SharedPrefill
@@ -108,5 +109,5 @@ def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]
 
 def build_proposer(name: str, **kwargs: Any) -> Proposer:
     if name not in PROPOSERS:
-        raise ValueError(f"unknown spec method {name!r}; choose one of {sorted(PROPOSERS)}")
+        raise FastdraftError(f"unknown spec method {name!r}; choose one of {sorted(PROPOSERS)}")
     return PROPOSERS[name](**kwargs)

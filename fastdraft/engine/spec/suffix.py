@@ -45,6 +45,7 @@ from fastdraft.engine.spec.suffix_index import (
     SuffixAutomaton,
 )
 from fastdraft.engine.spec.tree import ROOT, DraftTree
+from fastdraft.errors import FastdraftError
 
 SUFFIX_SOURCE_ID = 1  # DraftTree.sources value of every suffix-drafted node
 
@@ -84,10 +85,11 @@ class SuffixConfig:
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"SuffixConfig.{name} must be an int >= {minimum}, got {value!r}")
+                raise FastdraftError(f"SuffixConfig.{name} must be an int >= {minimum}, got "
+                                     f"{value!r}")
         if self.min_match_len > self.max_match_len:
-            raise ValueError(f"SuffixConfig.min_match_len ({self.min_match_len}) must be <= "
-                             f"max_match_len ({self.max_match_len}); lower it or raise the max")
+            raise FastdraftError(f"SuffixConfig.min_match_len ({self.min_match_len}) must be <= "
+                                 f"max_match_len ({self.max_match_len}); lower it or raise the max")
 
     @property
     def count_depth(self) -> int:
@@ -226,7 +228,7 @@ class SuffixDrafter:
         num_nodes = self.cfg.max_nodes if max_nodes is None else max_nodes
         depth = self.cfg.max_depth if max_depth is None else min(max_depth, self.cfg.max_depth)
         if num_nodes < 0 or depth < 0:
-            raise ValueError(f"max_nodes and max_depth must be >= 0, got {num_nodes}, {depth}")
+            raise FastdraftError(f"max_nodes and max_depth must be >= 0, got {num_nodes}, {depth}")
         req = self._request(request_id)
         if num_nodes == 0 or depth == 0:
             return DraftTree.empty()
@@ -365,5 +367,5 @@ def _as_ids(token_ids: Sequence[int] | torch.Tensor) -> Sequence[int]:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.tolist()
     if len(token_ids) and min(token_ids) < 0:
-        raise ValueError("token ids must be >= 0 (negative ids are reserved for separators)")
+        raise FastdraftError("token ids must be >= 0 (negative ids are reserved for separators)")
     return token_ids

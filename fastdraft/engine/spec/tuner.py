@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastdraft.engine.spec.config import MERGED, SpecConfig
+from fastdraft.errors import FastdraftError
 
 OFF = SpecConfig(method="none")
 
@@ -47,8 +48,8 @@ def parse_arm(name: str) -> SpecConfig:
     try:
         method, depth, topk, nodes = parts[0], *map(int, parts[1:])
     except ValueError:
-        raise ValueError(f"arm {name!r}: expected 'off' or 'method/depth/topk/tokens_to_verify'"
-                         ", e.g. 'eagle/6/3/12'") from None
+        raise FastdraftError(f"arm {name!r}: expected 'off' or 'method/depth/topk/tokens_to_verify'"
+                             ", e.g. 'eagle/6/3/12'") from None
     return SpecConfig(method=method, depth=depth, topk=topk, tokens_to_verify=nodes)
 
 
@@ -62,12 +63,13 @@ class TunerBucket:
 
     def __post_init__(self) -> None:
         if self.min_batch < 1:
-            raise ValueError(f"a tuner bucket's min_batch must be >= 1, got {self.min_batch}")
+            raise FastdraftError(f"a tuner bucket's min_batch must be >= 1, got {self.min_batch}")
         if not self.arms:
-            raise ValueError(f"tuner bucket from batch {self.min_batch} has no arms")
+            raise FastdraftError(f"tuner bucket from batch {self.min_batch} has no arms")
         names = [arm_name(a) for a in self.arms]
         if len(set(names)) != len(names):
-            raise ValueError(f"tuner bucket from batch {self.min_batch} repeats an arm: {names}")
+            raise FastdraftError(f"tuner bucket from batch {self.min_batch} repeats an arm: "
+                                 f"{names}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,14 +92,14 @@ class TunerConfig:
     def __post_init__(self) -> None:
         starts = [b.min_batch for b in self.buckets]
         if not starts or starts[0] != 1 or starts != sorted(set(starts)):
-            raise ValueError(f"tuner buckets must start at batch 1 and ascend, got {starts}")
+            raise FastdraftError(f"tuner buckets must start at batch 1 and ascend, got {starts}")
         if not 0.0 <= self.epsilon <= 1.0:
-            raise ValueError(f"tuner epsilon must be in [0, 1], got {self.epsilon}")
+            raise FastdraftError(f"tuner epsilon must be in [0, 1], got {self.epsilon}")
         if self.min_records < 0:
-            raise ValueError(f"tuner min_records must be >= 0, got {self.min_records}")
+            raise FastdraftError(f"tuner min_records must be >= 0, got {self.min_records}")
         if self.window < 1 or self.max_age < 1:
-            raise ValueError(f"tuner window and max_age must be >= 1, got {self.window}, "
-                             f"{self.max_age}")
+            raise FastdraftError(f"tuner window and max_age must be >= 1, got {self.window}, "
+                                 f"{self.max_age}")
 
     @property
     def arms(self) -> tuple[SpecConfig, ...]:
@@ -126,7 +128,8 @@ class TunerConfig:
         whose tokens_to_verify counts EAGLE's nodes and the suffix share together) plays its
         merged tree in the tail buckets next to EAGLE-only trees of the same EAGLE size."""
         if not spec.enabled:
-            raise ValueError("a tuner needs a speculative spec (method != 'none') to build arms")
+            raise FastdraftError("a tuner needs a speculative spec (method != 'none') to build "
+                                 "arms")
         merged = spec.method == MERGED
         m = "eagle" if merged else spec.method
         d, k, n = spec.depth, spec.topk, spec.tokens_to_verify
@@ -188,7 +191,7 @@ class SpecTuner:
 
     def bucket(self, batch_size: int) -> TunerBucket:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise FastdraftError(f"batch_size must be >= 1, got {batch_size}")
         return [b for b in self.config.buckets if b.min_batch <= batch_size][-1]
 
     def select(self, batch_size: int) -> SpecConfig:
@@ -273,13 +276,13 @@ def check_tuner(tuner: TunerConfig | None, spec: SpecConfig) -> SpecTuner | None
     if tuner is None:
         return None
     if not spec.enabled:
-        raise ValueError("a tuner picks among speculative arms: set spec.method (e.g. 'eagle') "
-                         "or drop the tuner")
+        raise FastdraftError("a tuner picks among speculative arms: set spec.method (e.g. 'eagle') "
+                             "or drop the tuner")
     # The merged proposer also drafts EAGLE-only trees (its suffix share is then empty).
     allowed = {spec.method, "eagle"} if spec.method == MERGED else {spec.method}
     other = sorted({a.method for a in tuner.arms if a.enabled and a.method not in allowed})
     if other:
-        raise ValueError(f"tuner arms draft with {other} but the engine's proposer is "
-                         f"{spec.method!r}: every arm must use one of {sorted(allowed)} or be "
-                         "'off'")
+        raise FastdraftError(f"tuner arms draft with {other} but the engine's proposer is "
+                             f"{spec.method!r}: every arm must use one of {sorted(allowed)} or be "
+                             "'off'")
     return SpecTuner(tuner)

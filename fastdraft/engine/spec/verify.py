@@ -30,6 +30,7 @@ from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.spec.accept import MIN_MASS as _MIN_MASS
 from fastdraft.engine.spec.probs import policy_logprobs, processed_probs
 from fastdraft.engine.spec.tree import Accepted, DraftTree
+from fastdraft.errors import FastdraftError
 
 
 def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
@@ -41,8 +42,8 @@ def verify(tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams,
     from `generator` (or the global RNG)."""
     n = tree.num_nodes
     if target_logits.dim() != 2 or target_logits.shape[0] != n + 1:
-        raise ValueError(f"target_logits must be [num_nodes + 1, V] = [{n + 1}, V], "
-                         f"got {tuple(target_logits.shape)}")
+        raise FastdraftError(f"target_logits must be [num_nodes + 1, V] = [{n + 1}, V], "
+                             f"got {tuple(target_logits.shape)}")
     if uniforms is None:
         uniforms = _uniforms(n + 1, generator)
     if params.is_greedy:
@@ -92,7 +93,7 @@ def _walk_sampled(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
     q_all = None
     if any(sampled):
         if tree.parent_probs is None:
-            raise ValueError("a tree with sampled children needs parent_probs")
+            raise FastdraftError("a tree with sampled children needs parent_probs")
         q_all = tree.parent_probs.to(device=probs.device, dtype=probs.dtype)
     # p(x) and q(x) of every node's token under its parent's *untouched* rows: the first child
     # tried at a node needs nothing else, so the common accept-first-child path stays scalar.

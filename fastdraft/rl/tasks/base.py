@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import ClassVar, TypeVar
 
+from fastdraft.errors import FastdraftError
+
 
 @dataclass(frozen=True, slots=True)
 class Problem:
@@ -31,11 +33,11 @@ class Problem:
 
     def __post_init__(self) -> None:
         if not self.prompt:
-            raise ValueError("Problem.prompt is empty: a problem needs a prompt")
+            raise FastdraftError("Problem.prompt is empty: a problem needs a prompt")
         if not self.answer:
-            raise ValueError("Problem.answer is empty: a verifiable problem needs an answer")
+            raise FastdraftError("Problem.answer is empty: a verifiable problem needs an answer")
         if self.answer not in self.solution:
-            raise ValueError(
+            raise FastdraftError(
                 f"Problem.solution {self.solution!r} does not contain answer {self.answer!r}: "
                 "the reference completion must end in the final answer"
             )
@@ -72,7 +74,7 @@ def register_task(name: str) -> Callable[[_T], _T]:
 
     def decorate(cls: _T) -> _T:
         if name in _TASKS and _TASKS[name] is not cls:
-            raise ValueError(f"task name {name!r} is already registered by {_TASKS[name]!r}")
+            raise FastdraftError(f"task name {name!r} is already registered by {_TASKS[name]!r}")
         cls.name = name
         _TASKS[name] = cls
         return cls
@@ -87,22 +89,22 @@ def available_tasks() -> list[str]:
 
 def get_task(name: str, **kwargs: object) -> Task:
     """Build the task registered as ``name`` with constructor ``kwargs`` (its options); an
-    unknown name or option is a ValueError that lists what there is."""
+    unknown name or option is a FastdraftError that lists what there is."""
     try:
         cls = _TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}: choose one of {available_tasks()}") from None
+        raise FastdraftError(f"unknown task {name!r}: choose one of {available_tasks()}") from None
     options = [f.name for f in fields(cls) if f.init] if is_dataclass(cls) else None
     unknown = sorted(set(kwargs) - set(options)) if options is not None else []
     if unknown:
         hints = {k: difflib.get_close_matches(k, options, n=1) for k in unknown}
         said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
                          for k, h in hints.items())
-        raise ValueError(f"task {name!r} has no option {said}: its options are {options}")
+        raise FastdraftError(f"task {name!r} has no option {said}: its options are {options}")
     try:
         return cls(**kwargs)
     except TypeError as err:
-        raise ValueError(f"task {name!r}: {err}") from None
+        raise FastdraftError(f"task {name!r}: {err}") from None
 
 
 def length_percentiles(
@@ -114,12 +116,12 @@ def length_percentiles(
     ``numpy.percentile``. Used to report how long-tailed answer lengths are.
     """
     if not lengths:
-        raise ValueError("length_percentiles needs at least one length")
+        raise FastdraftError("length_percentiles needs at least one length")
     ordered = sorted(float(x) for x in lengths)
     result: dict[str, float] = {}
     for q in qs:
         if not 0 <= q <= 100:
-            raise ValueError(f"percentile {q} is outside [0, 100]")
+            raise FastdraftError(f"percentile {q} is outside [0, 100]")
         pos = (len(ordered) - 1) * q / 100
         lo, hi = math.floor(pos), math.ceil(pos)
         value = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

@@ -20,6 +20,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from fastdraft.errors import FastdraftError
 from fastdraft.rl.tasks.base import Problem, Task, register_task
 
 ANSWER_MARKER = "#"
@@ -46,13 +47,13 @@ class ModSumTask(Task):
 
     def __post_init__(self) -> None:
         if self.min_terms < 1:
-            raise ValueError(f"min_terms={self.min_terms}: set it to 1 or more")
+            raise FastdraftError(f"min_terms={self.min_terms}: set it to 1 or more")
         if self.max_terms < self.min_terms:
-            raise ValueError(
+            raise FastdraftError(
                 f"max_terms={self.max_terms} < min_terms={self.min_terms}: raise max_terms"
             )
         if self.tail_exponent < 0:
-            raise ValueError(
+            raise FastdraftError(
                 f"tail_exponent={self.tail_exponent}: use >= 0 (0 = uniform, larger = lighter tail)"
             )
         weights = (n**-self.tail_exponent for n in range(self.min_terms, self.max_terms + 1))
@@ -81,7 +82,7 @@ class ModSumTask(Task):
 def make_problem(digits: list[int]) -> Problem:
     """The modsum problem for ``digits`` (each 0-9), with its step-by-step solution."""
     if not digits or any(not 0 <= d <= 9 for d in digits):
-        raise ValueError(f"digits {digits!r}: give a non-empty list of integers 0-9")
+        raise FastdraftError(f"digits {digits!r}: give a non-empty list of integers 0-9")
     steps = list(itertools.accumulate(digits, lambda total, d: (total + d) % 10))
     answer = str(steps[-1])
     prompt = "+".join(map(str, digits)) + "="
