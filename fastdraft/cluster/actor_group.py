@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from fastdraft.cluster.reserve import reserve
 from fastdraft.rl.actor_peers import REPLY_TIMEOUT_S, ActorRankError
 from fastdraft.rl.actor_rank import ActorRank, ActorSpec
 
@@ -42,7 +43,8 @@ class RayActorPeers:
     """Rank 0's handle on ranks 1..N-1 as Ray actors."""
 
     def __init__(self, spec: ActorSpec, num_threads: int = 1,
-                 placement: Callable[[int], dict[str, Any]] | None = None) -> None:
+                 placement: Callable[[int], dict[str, Any]] | None = None,
+                 placement_timeout_s: float = 120.0) -> None:
         """placement: rank -> its Ray options, where the ranks share bundles made elsewhere
         (colocated placement: the rollout workers', RolloutPool.actor_rank_options); None:
         a placement group of their own, one bundle (its threads, its GPU) a rank."""
@@ -50,7 +52,7 @@ class RayActorPeers:
         cls = ray.remote(_Rank)
         self.group = None
         if placement is None:
-            self.group, placement = self._own_group(spec, num_threads)
+            self.group, placement = self._own_group(spec, num_threads, placement_timeout_s)
         # The rank's ActorRank builds (and joins the process group) in its constructor: rank
         # 0's rendezvous waits for it, as with process ranks.
         self.ranks = [cls.options(max_restarts=0, **placement(rank)).remote(
@@ -58,15 +60,14 @@ class RayActorPeers:
         self._pending: list[Any] = [r.pid.remote() for r in self.ranks]
 
     @staticmethod
-    def _own_group(spec: ActorSpec, num_threads: int
+    def _own_group(spec: ActorSpec, num_threads: int, timeout_s: float
                    ) -> tuple[Any, Callable[[int], dict[str, Any]]]:
-        import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         gpus = 1 if spec.device.startswith("cuda") else 0
         bundle = {"CPU": num_threads, **({"GPU": gpus} if gpus else {})}
-        group = placement_group([bundle] * (spec.actor.num_ranks - 1), strategy="PACK")
-        ray.get(group.ready())
+        group = reserve([bundle] * (spec.actor.num_ranks - 1), timeout_s,
+                        f"actor.num_ranks={spec.actor.num_ranks} (ranks 1.. a bundle each, "
+                        "cluster.placement=separate)")
         return group, lambda rank: {
             "num_cpus": num_threads, "num_gpus": gpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(

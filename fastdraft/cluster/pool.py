@@ -27,6 +27,7 @@ import torch
 
 from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.ray_cluster import cuda_name
+from fastdraft.cluster.reserve import reserve
 from fastdraft.cluster.rollout_calls import RolloutCalls
 from fastdraft.cluster.rollout_worker import (
     HANDOFF,
@@ -63,14 +64,12 @@ def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
 class RolloutPool:
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
                  device: str, group_size: int) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
         self.bundle = worker_bundle(cfg, self.device)
-        self.group = placement_group([self.bundle] * cfg.rollout_workers, strategy="PACK")
-        ray.get(self.group.ready())
+        self.group = reserve([self.bundle] * cfg.rollout_workers, cfg.placement_timeout_s,
+                             f"cluster.rollout_workers={cfg.rollout_workers}")
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
         self.restarts = 0
         self.owns_ray = False   # set by whoever started Ray for this pool's run

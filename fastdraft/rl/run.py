@@ -268,7 +268,7 @@ def _actor_peers(cfg: RunConfig, engine: Any) -> Callable[..., Any]:
         from fastdraft.cluster.actor_group import RayActorPeers
         if cfg.cluster.placement == "colocated":
             return partial(RayActorPeers, placement=engine.actor_rank_options)
-        return RayActorPeers
+        return partial(RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s)
     from fastdraft.rl.actor_peers import ActorPeers
     return ActorPeers
 

@@ -151,14 +151,11 @@ def test_a_worker_killed_mid_rollout_is_rerun_and_replaced(local_ray, tiny_check
     try:
         reference = pool.generate(prompts, params)
         pids = pool.worker_pids()
-        if below:   # the receiver: the worker whose running call holds both shares
-            threading.Thread(target=_kill_when, args=(pool, pids, lambda owned: len(owned) > 20)
-                             ).start()
-        else:
-            threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL)).start()
-        start = time.perf_counter()
+        # below: the receiver, the worker whose running call holds both shares; else the first
+        # worker seen holding requests (a timer could fire after a fast rollout had ended)
+        holds = (lambda owned: len(owned) > 20) if below else (lambda owned: len(owned) > 0)
+        threading.Thread(target=_kill_when, args=(pool, pids, holds)).start()
         got = pool.generate(prompts, params)
-        assert time.perf_counter() - start > 0.3 or below, "the rollout ended before the kill"
         _same(got, reference)
         assert pool.restarts == 1 and pool.reruns > (20 if below else 0)
         new = pool.worker_pids()

@@ -18,7 +18,9 @@ class ClusterConfig:
     """backend: local | ray. rollout_workers: engine replicas (ray; one per device on a GPU node).
     address: an existing Ray cluster to join (`ray start --head` prints it); None starts a local
     one. connect_timeout_s: how long the run waits for that address to answer before it stops
-    with what to check (a port where nothing listens is told at once). worker_threads: torch
+    with what to check (a port where nothing listens is told at once). placement_timeout_s: how
+    long the workers' and actor ranks' placement groups may wait for their bundles before the run
+    stops naming what it asked and what the cluster holds. worker_threads: torch
     threads of each rollout worker (CPU; 0 leaves torch's default).
     worker_device: the rollout workers' device (None: model.device; on a GPU node each worker
     gets one GPU from Ray and sees it as cuda:0). gpus_per_worker: the share of a GPU each
@@ -51,6 +53,7 @@ class ClusterConfig:
     rollout_workers: int = 1
     address: str | None = None
     connect_timeout_s: float = 30.0
+    placement_timeout_s: float = 120.0
     worker_threads: int = 1
     worker_device: str | None = None
     gpus_per_worker: float = 1.0
@@ -65,7 +68,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
                  f"{self.backend!r}")
-        _require(self.connect_timeout_s > 0, "cluster.connect_timeout_s must be > 0 (seconds)")
+        _require(self.connect_timeout_s > 0 and self.placement_timeout_s > 0,
+                 "cluster.connect_timeout_s and placement_timeout_s must be > 0 (seconds)")
         _require(self.rollout_workers >= 1, "cluster.rollout_workers must be >= 1")
         _require(self.backend == "ray" or self.rollout_workers == 1,
                  f"cluster.rollout_workers={self.rollout_workers} needs cluster.backend=ray "
