@@ -6,13 +6,15 @@ builders. Only local paths are accepted, and the files are read with ``Dataset.f
 ``load_dataset`` also pings the hub to count downloads unless HF_HUB_OFFLINE is set; this way
 loading never touches the network, whatever the environment says. Rows come back as plain
 dicts with canonical ``prompt`` (and ``answer``) keys so the RL loop does not care how the user
-named the columns. Every row's prompt and answer are checked as text (rl/data_checks.py).
+named the columns. Every row's prompt and answer are checked as text (rl/data_checks.py). The
+file is read into memory each time, nothing left in the datasets cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,9 +57,9 @@ def load_prompts(
     if file.stat().st_size == 0:
         raise FastdraftError(f"prompt file {str(file)!r} is empty: it needs one row per prompt")
     read = getattr(datasets.Dataset, f"from_{builder}")  # from_json / from_parquet
-    try:
-        with _quiet(datasets):
-            dataset = read(str(file), split=split)
+    try:   # in memory, its Arrow copy in a directory that goes: no cache grows per file version
+        with _quiet(datasets), tempfile.TemporaryDirectory(prefix="fastdraft-prompts-") as tmp:
+            dataset = read(str(file), split=split, cache_dir=tmp, keep_in_memory=True)
     except (Exception, StopIteration) as err:  # datasets' own errors bury the cause in chains
         raise _unreadable(file, builder, err) from None
     columns = list(dataset.column_names)

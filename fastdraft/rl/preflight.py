@@ -77,14 +77,16 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
         from fastdraft.rl.data import load_prompts
         rows = load_prompts(Path(cfg.data.path).expanduser(), cfg.data.prompt_key,
                             cfg.data.answer_key)
+    max_seq_len = rollout_seq_len(cfg)
     if run_dir is not None:
         writable_dir(run_dir)   # a read-only / full disk or a file in the way: one line, now
     policy_dir = cached_policy(cfg, cache_dir) if dry else resolve_policy(cfg, cache_dir)
     tokenizer = load_tokenizer(policy_dir, "model.path" if cfg.model.path else "the policy")
-    max_seq_len = rollout_seq_len(cfg)
     prompts = PromptSource(cfg.data, tokenizer, max_seq_len - cfg.rollout.max_new_tokens, rows)
-    drafter_dir = (Path(cfg.drafter.path).expanduser() if dry and cfg.drafter.path
-                   else None if dry else resolve_drafter(cfg, policy_dir))
+    if dry:   # a drafter the run would warm up is planned from drafter.kind
+        drafter_dir = Path(cfg.drafter.path).expanduser() if cfg.drafter.path else None
+    else:
+        drafter_dir = resolve_drafter(cfg, policy_dir)
     from fastdraft.rl.dry_run import plan_run
     capacity = capacity or device_capacity(cfg.model.device)
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)
@@ -110,7 +112,9 @@ def check_ranks(cfg: RunConfig) -> None:
     if torch.device(cfg.model.device).type == "cuda":
         have, what = torch.cuda.device_count(), "CUDA device(s) (one a rank)"
     else:
-        have, what = len(os.sched_getaffinity(0)), "CPU core(s) (a rank is a process of its own)"
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")   # Linux
+                 else os.cpu_count() or 1)
+        have, what = cores, "CPU core(s) (a rank is a process of its own)"
     if ranks > have:
         raise FastdraftError(f"actor.num_ranks={ranks}, but this machine has {have} {what}: "
                              f"set actor.num_ranks to at most {have}")

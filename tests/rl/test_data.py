@@ -102,3 +102,13 @@ def test_unreadable_prompt_files_say_what_is_wrong(tmp_path: Path, content: str,
     path.write_text(content)
     with pytest.raises(ValueError, match=match):
         load_prompts(path)
+
+
+def test_loading_leaves_nothing_in_the_datasets_cache(tmp_path: Path, monkeypatch) -> None:
+    import datasets
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    path = tmp_path / "p.jsonl"
+    write_jsonl([{"prompt": "1+1=", "answer": "2"}], path)
+    assert load_prompts(path, answer_key="answer")[0]["answer"] == "2"
+    assert not cache.exists() or not any(cache.rglob("*"))
