@@ -153,6 +153,19 @@ def test_a_policy_without_tokenizer_files_is_named(char_policy, tmp_path, capsys
             f"model.path {policy}: no tokenizer files there")
 
 
+def test_a_tokenizer_that_makes_no_tokens_is_refused(char_policy, tmp_path):
+    """transformers builds an empty tokenizer for a directory without its files, silently;
+    the policy the run resolves (a bootstrap policy in a damaged cache) is proven to encode."""
+    from fastdraft.errors import FastdraftError
+    from fastdraft.rl.run_inputs import load_tokenizer
+    assert load_tokenizer(char_policy, "model.path").encode("1 + 2")
+    policy = _copy_policy(char_policy, tmp_path, ("tokenizer.json", "tokenizer_config.json",
+                                                   "special_tokens_map.json"))
+    with pytest.raises(FastdraftError, match=f"the policy {policy}: its tokenizer turns text "
+                                             "into no tokens"):
+        load_tokenizer(policy, "the policy")
+
+
 def test_a_truncated_weight_file_is_named_as_damaged(char_policy, tmp_path, capsys):
     policy = _copy_policy(char_policy, tmp_path)
     weights = policy / "model.safetensors"

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def _did_you_mean(cls: type, where: str, key: str) -> str:
     if close:
         return f"; did you mean {_join(where, close[0])!r}?"
     keys = list(_all_keys(RunConfig, ""))
-    leaves = {}
+    leaves: dict[str, list[str]] = {}
     for dotted in keys:
         leaves.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
     names = leaves.get(str(key)) or [d for near in difflib.get_close_matches(str(key), leaves, n=1)
@@ -122,7 +123,7 @@ def _did_you_mean(cls: type, where: str, key: str) -> str:
     return "; did you mean " + " or ".join(repr(n) for n in names) + "?"
 
 
-def _all_keys(cls: type, where: str) -> Any:
+def _all_keys(cls: type, where: str) -> Iterator[str]:
     """Every dotted key of a config class, sections and their keys."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
