@@ -34,7 +34,9 @@ from safetensors.torch import save
 from fastdraft.backends.vllm_stats import spec_stats_of
 from fastdraft.backends.vllm_worker import serve_positions
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
+from fastdraft.engine.host_front import HostFront
 from fastdraft.engine.request import FinishReason
+from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError
@@ -47,7 +49,11 @@ WORKER_EXTENSION = "fastdraft.backends.vllm_worker.FastdraftWorkerExtension"
 PUSH_BUCKET_MB = 64   # a push's blob: bounded host memory, few RPCs
 
 
-class VllmRollout:
+class VllmRollout(HostFront):
+    """vLLM serving the rollouts behind the engine's interface, fastdraft's drafter as its EAGLE
+    drafter; a host replica of fastdraft's engine takes every update vLLM takes and answers
+    what the loop reads of an engine's state (engine/host_front.py)."""
+
     def __init__(self, host: RolloutEngine, policy_dir: Path, drafter_dir: Path | None,
                  work_dir: Path, *, device: str, max_seq_len: int, max_batch_size: int, dtype: str,
                  seed: int, spec_depth: int, kv_cache_gb: float | None = None) -> None:
@@ -89,12 +95,18 @@ class VllmRollout:
         self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
         self.requests = 0   # vLLM request ids are unique over the engine's life
 
-    def __getattr__(self, name: str) -> Any:
-        """What the loop reads of an engine (model, model_drafter, config, spec, versions,
-        fallback_reason, state) is the host replica's: it takes every update vLLM takes."""
-        if name == "host":
-            raise AttributeError(name)
-        return getattr(self.host, name)
+    # the host replica's state calls, which vLLM has no counterpart of
+    def advance_step(self) -> None:
+        self.host.advance_step()
+
+    def resume_speculation(self, spec: SpecConfig) -> None:
+        self.host.resume_speculation(spec)
+
+    def state_dict(self) -> dict:
+        return self.host.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.host.load_state_dict(state)
 
     # ----------------------------------------------------------------------------- rollout
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *,

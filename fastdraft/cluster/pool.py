@@ -39,6 +39,7 @@ from fastdraft.cluster.rollout_worker import (
 from fastdraft.cluster.timeline import Span
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
+from fastdraft.engine.host_front import HostFront
 from fastdraft.engine.request import prompt_key
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
@@ -61,7 +62,10 @@ def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
     return {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
 
 
-class RolloutPool:
+class RolloutPool(HostFront):
+    """Rollout engine replicas on Ray workers behind the engine's interface; what the loop
+    reads of an engine's state is the host replica's (engine/host_front.py)."""
+
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
                  device: str, group_size: int) -> None:
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
@@ -145,13 +149,6 @@ class RolloutPool:
         return ray.remote(concurrency_groups={HANDOFF: 1})(RolloutWorker)
 
     # --------------------------------------------------------------------- the engine's face
-    def __getattr__(self, name: str) -> Any:
-        """What the loop reads of an engine (model, model_drafter, config, spec, versions,
-        fallback_reason) is the host replica's: it takes every update the workers take."""
-        if name == "host":
-            raise AttributeError(name)
-        return getattr(self.host, name)
-
     @property
     def worker_names(self) -> list[str]:
         return [f"rollout{i}" for i in range(len(self.workers))]
