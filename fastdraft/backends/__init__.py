@@ -14,10 +14,12 @@ from fastdraft.engine import RolloutEngine
 
 
 def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], policy_dir: Path,
-                  drafter_dir: Path | None, work_dir: Path, max_seq_len: int) -> Any:
+                  drafter_dir: Path | None, work_dir: Path, max_seq_len: int,
+                  actor: Any = None) -> Any:
     """The run's rollout engine: fastdraft's own in this process (cluster.backend=local) or
     replicas on Ray actors behind a RolloutPool (ray), or vLLM (rollout.backend=vllm); each has
-    the engine's interface. make_engine(device, host=False): a native engine."""
+    the engine's interface. make_engine(device, host=False): a native engine. actor (an
+    ActorSpec; cluster.placement=hybrid): the workers hold the actor's ranks too."""
     device = cfg.model.device
     if cfg.rollout.backend == "vllm":
         from fastdraft.backends.vllm_rollout import VllmRollout
@@ -32,8 +34,10 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
     from fastdraft.cluster.pool import RolloutPool
     from fastdraft.cluster.ray_cluster import connect
     threads = max(cfg.cluster.worker_threads, 1)
-    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers + cfg.actor.num_ranks - 1)
+    hybrid = cfg.cluster.placement == "hybrid"
+    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers
+                      + (0 if hybrid else cfg.actor.num_ranks - 1))
     pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True), device,
-                       cfg.rollout.group_size)
+                       cfg.rollout.group_size, actor=actor if hybrid else None)
     pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
     return pool

@@ -18,6 +18,7 @@ it."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -45,8 +46,13 @@ from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError
+from fastdraft.models import ModelConfig
+from fastdraft.rl.actor_peers import ActorRankError
+from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.utils.weight_buckets import weight_buckets
+from fastdraft.workers.hybrid import HybridWorker, WeightSync, rendezvous
+from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all
 
 OnFinish = Callable[[Completion], None]
 #: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
@@ -67,13 +73,16 @@ class RolloutPool(HostFront):
     reads of an engine's state is the host replica's (engine/host_front.py)."""
 
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
-                 device: str, group_size: int) -> None:
+                 device: str, group_size: int, actor: ActorSpec | None = None) -> None:
+        """actor (cluster.placement=hybrid): every worker is a HybridWorker holding actor rank
+        r beside its engine (workers/hybrid.py); the ranks rendezvous on worker 0's node."""
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
         self.bundle = worker_bundle(cfg, self.device)
         self.group = reserve([self.bundle] * cfg.rollout_workers, cfg.placement_timeout_s,
                              f"cluster.rollout_workers={cfg.rollout_workers}")
+        self.actor = None if actor is None else self._rendezvous(actor)
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
         self.restarts = 0
         self.owns_ray = False   # set by whoever started Ray for this pool's run
@@ -86,6 +95,7 @@ class RolloutPool(HostFront):
         self.last_parts: list[WorkerRollout] = []   # what each worker call of the last rollout did
         self.last_migrated = 0   # requests that changed worker in the last rollout
         self.last_push_s = 0.0
+        self.last_syncs: list[WeightSync] = []   # hybrid: each worker's last weight sync
         self.last_released_bytes = 0   # what the workers gave back for the actor's update
         self.reruns = 0   # requests re-run after their worker died (this run)
         self.tickets = itertools.count(1)   # numbers every worker call: accept / peers name one
@@ -98,12 +108,32 @@ class RolloutPool(HostFront):
     def colocated(self) -> bool:
         return self.cfg.placement == "colocated"
 
+    @property
+    def hybrid(self) -> bool:
+        return self.actor is not None
+
     def _start(self, index: int) -> Any:
         share = 1 - TRAINER_GPU_SHARE - (ACTOR_GPU_SHARE if self.colocated else 0.0)
         cls = self._remote_class().options(
             num_cpus=self.bundle["CPU"], **self._in_bundle(index, share),
             name=None, max_restarts=0)
-        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
+        rank = () if self.actor is None else (self.actor, index)
+        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads, *rank)
+
+    def _rendezvous(self, actor: ActorSpec) -> ActorSpec:
+        """The actor spec with rank 0's address: worker 0's node as Ray names it, a port free
+        there (asked by a task in worker 0's bundle), never this machine's loopback unless
+        that is where worker 0 runs."""
+        import ray
+        where = ray.remote(rendezvous).options(num_cpus=0, **self._in_bundle(0, 0.0))
+        address, port = ray.get(where.remote(), timeout=self.cfg.placement_timeout_s)
+        return dataclasses.replace(actor, address=address, port=port)
+
+    def ranks(self, config: ModelConfig) -> WorkerRanks:
+        """The actor's ranks in these workers (hybrid placement), for rl/actor.Actor."""
+        if self.actor is None:
+            raise RuntimeError("the pool's workers hold actor ranks only with hybrid placement")
+        return WorkerRanks(self.workers, config)
 
     def driver_device(self, device: str) -> str:
         """The device this process (the actor's rank 0) computes on with colocated placement:
@@ -146,7 +176,8 @@ class RolloutPool(HostFront):
     def _remote_class(self) -> Any:
         import ray
         # accept / peers run on a thread of their own, beside the running generate.
-        return ray.remote(concurrency_groups={HANDOFF: 1})(RolloutWorker)
+        return ray.remote(concurrency_groups={HANDOFF: 1})(
+            RolloutWorker if self.actor is None else HybridWorker)
 
     # --------------------------------------------------------------------- the engine's face
     @property
@@ -206,7 +237,7 @@ class RolloutPool(HostFront):
                 training[k] = time.time()
         self._account(done, training, start, time.time(), n)
         self.last_migrated = call.migrated
-        if self.colocated:   # the actor's update comes next, on the workers' devices
+        if self.colocated or self.hybrid:   # the actor's update comes next, on their devices
             self.last_released_bytes = sum(filter(None, self._on_all(lambda w: w.sleep.remote())))
         out = [c for c in results if c is not None]
         for g in groups:
@@ -281,6 +312,19 @@ class RolloutPool(HostFront):
         self.last_push_s = time.perf_counter() - start
         return version
 
+    def sync_weights(self, version: int | None = None) -> int:
+        """Hybrid placement: every worker loads its engine from the actor's shards on its own
+        device (workers/hybrid.py); the driver's host replica takes the policy head only (what
+        the online drafter's trainer reads). `timing/push_s` is this call's wall time."""
+        import ray
+        start = time.perf_counter()
+        version = self.host.policy_version + 1 if version is None else version
+        self.last_syncs = get_all([w.sync_weights.remote(version) for w in self.workers],
+                                  "the weight sync")
+        self.host.load_weights(ray.get(self.workers[0].policy_head.remote()), version)
+        self.last_push_s = time.perf_counter() - start
+        return version
+
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                              version: int | None = None, checksum: str | None = None) -> int:
         import ray
@@ -348,6 +392,8 @@ class RolloutPool(HostFront):
 
     def replace_worker(self, k: int) -> None:
         import ray
+        if self.hybrid:   # its actor rank died with it: only a checkpoint has that shard
+            raise ActorRankError(f"hybrid worker {k} (actor rank {k}) died")
         if self.restarts >= self.cfg.max_worker_restarts:
             raise RuntimeError(f"rollout worker {k} died and cluster.max_worker_restarts="
                                f"{self.cfg.max_worker_restarts} replacements are used up")

@@ -28,7 +28,10 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
     if ray.is_initialized():   # a test's, a bench's, or the user's own driver
         return False
     check_address(cfg)   # before ray.init, which retries a dead address for many minutes
-    options = {} if cfg.address else {"num_cpus": max(os.cpu_count() or 1, cpus)}
+    # A cluster of this run's own lives on this machine: its address is the loopback one
+    # (hybrid workers rendezvous where Ray says their rank 0 runs).
+    options = {} if cfg.address else {"num_cpus": max(os.cpu_count() or 1, cpus),
+                                      "_node_ip_address": "127.0.0.1"}
     if not cfg.address and sys.platform.startswith("linux"):
         # Started first: a run killed while Ray starts leaves nothing behind either.
         global _reaper

@@ -1,6 +1,7 @@
 """The actor as the RL loop sees it: the policy being trained over `actor.num_ranks` ranks (rank 0
-in this process, the others in processes of their own, actor_peers.py), fp32 master weights
-sharded with FSDP2 (actor_rank.py), computing in `actor.compute_dtype`.
+in this process and the others in processes of their own, or every rank in a hybrid worker:
+workers/ranks.py), fp32 master weights sharded with FSDP2 (actor_rank.py), computing in
+`actor.compute_dtype`.
 
 One `update` is one optimizer step over a whole rollout batch: the batch is cut into micro-
 batches bounded by a token budget, spread over the ranks (each micro-batch contributes its
@@ -14,19 +15,20 @@ its own dtype as they land: never a second copy of the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from fastdraft.models import CausalLM
-from fastdraft.rl.actor_peers import ActorPeers
-from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+from fastdraft.checkpoint.snapshot import WeightSource
+from fastdraft.rl.actor_rank import ActorSpec
 from fastdraft.rl.actor_samples import RowHidden
+from fastdraft.rl.objective import Algorithm
 from fastdraft.rl.sequences import SequenceBatch, split_across_ranks
-from fastdraft.rl.sharding import Gathered, free_port, leave_ranks
+from fastdraft.rl.sharding import free_port
 from fastdraft.rl.token_stats import TokenStats
+from fastdraft.workers.ranks import ActorRanks, LocalRanks
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,31 +39,24 @@ class UpdateResult:
 
 
 class Actor:
-    def __init__(self, spec: ActorSpec, peers: Callable[..., Any] = ActorPeers) -> None:
-        """peers: how ranks 1..N-1 run: processes of this one (ActorPeers) or Ray actors
-        (cluster/actor_group.RayActorPeers); same commands, same answers."""
+    def __init__(self, spec: ActorSpec,
+                 ranks: Callable[[ActorSpec], ActorRanks] = LocalRanks) -> None:
+        """ranks(spec): the transport that starts the ranks and carries calls to them
+        (workers/ranks.py); several ranks rendezvous at spec.address:spec.port (a free port
+        of this machine unless the spec names one)."""
         self.world = spec.actor.num_ranks
-        if self.world > 1:
+        if self.world > 1 and not spec.port:
             spec = replace(spec, port=free_port())
         self.spec = spec
-        # The followers start first: rank 0's process-group rendezvous waits for them.
-        self.peers = peers(spec) if self.world > 1 else None
-        try:
-            self.rank0 = ActorRank(spec, 0)
-            self._gather("start-up")
-        except BaseException:
-            self.close()
-            raise
+        # The loss normaliser of a batch (the ranks' objectives divide by it).
+        self.algorithm = Algorithm(spec.algorithm, spec.temperature,
+                                   max_tokens=spec.max_new_tokens)
+        self.ranks = ranks(spec)
 
     @property
     def step(self) -> int:
         """Optimizer steps taken (what the LR schedule counts)."""
-        return self.rank0.optimizer_steps
-
-    @property
-    def model(self) -> CausalLM:
-        """Rank 0's (shard of the) policy."""
-        return self.rank0.model
+        return self.ranks.call("steps_taken")[0]
 
     # ---------------------------------------------------------------------------- an update
     def update(self, batch: SequenceBatch,
@@ -76,10 +71,8 @@ class Actor:
         plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
-        total = self.rank0.algorithm.normaliser(batch)
-        self._send("accumulate", [(part, total, hidden_layers) for part in parts[1:]])
-        answers = [self.rank0.accumulate(parts[0], total, hidden_layers),
-                   *self._gather("accumulate")]
+        total = self.algorithm.normaliser(batch)
+        answers = self.ranks.call("accumulate", [(part, total, hidden_layers) for part in parts])
         seen = torch.zeros(len(TokenStats._fields), *batch.mask.shape)
         metrics: dict[str, float] = {}
         hidden: dict[int, RowHidden] = {}
@@ -95,9 +88,9 @@ class Actor:
             try:
                 before_step(TokenStats(*seen.unbind(0)))
             except BaseException:
-                self._everywhere("discard")
+                self.ranks.call("discard")
                 raise
-        step_metrics = self._everywhere("apply")
+        step_metrics = self.ranks.call("apply")[0]
         return UpdateResult(step_metrics["actor/skipped"] == 0.0, {**metrics, **step_metrics},
                             hidden)
 
@@ -125,65 +118,33 @@ class Actor:
         plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
-        self._send(command, [(part, *args) for part in parts[1:]])
-        answers = [getattr(self.rank0, command)(parts[0], *args), *self._gather(command)]
+        answers = self.ranks.call(command, [(part, *args) for part in parts])
         for micro, results in zip(plan, answers):
             yield from zip([r for r in micro if r is not None], results)
 
     # ------------------------------------------------------------------ weights and state
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full fp32 tensor) of every parameter, one at a time (what
-        `engine.load_weights` takes). Consume it to the end: every rank takes part."""
-        self._send("drain_parameters")
-        gathered = self.rank0.gathered()
-        try:
-            yield from gathered.named_parameters()
-        finally:
-            gathered.finish()   # a consumer that stopped early: the followers still gather
-            self._gather("the weight gather")
+        """(HF name, full fp32 tensor) of every parameter, one at a time, in this process
+        (what `engine.load_weights` takes; hybrid workers load their engines themselves).
+        Consume it to the end: every rank takes part."""
+        return self.ranks.full_parameters()
 
-    @contextmanager
-    def full_state(self) -> Iterator[tuple[Gathered, dict]]:
+    def full_state(self) -> AbstractContextManager[tuple[WeightSource, dict]]:
         """(the model's full weights, gathered one at a time as the block iterates
         `named_parameters()` once; the training state: full AdamW state keyed by name, LR
         schedule, loss scale) for a checkpoint (TrainState takes the first as its model)."""
-        self._send("checkpoint_gather")
-        gathered = self.rank0.gathered()
-        try:
-            yield gathered, self.rank0.training_state()
-        finally:
-            gathered.finish()
-            self._gather("the checkpoint gather")
+        return self.ranks.full_state()
 
     def load_training_state(self, state: dict) -> None:
         """Restores optimizer, LR schedule and loss scale from rank 0's copy of a checkpoint."""
-        self._send("load_training_state", ({},))
-        self.rank0.load_training_state(state)
-        self._gather("the optimizer restore")
+        self.ranks.call("load_training_state", [(state,)] + [({},)] * (self.world - 1))
 
     def lost_rank(self, grace_s: float = 0.0) -> str | None:
-        """A follower rank that died, as words (what a failed collective really means);
-        None when every rank lives (watched for grace_s)."""
-        return self.peers.lost(grace_s) if self.peers is not None else None
+        """A rank that died, as words (what a failed collective really means); None when
+        every rank lives (watched for grace_s)."""
+        return self.ranks.lost(grace_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Ends the follower ranks (asked, then killed after timeout_s)."""
-        if getattr(self, "peers", None) is not None:
-            self.peers.close(timeout_s)
-            self.peers = None
-            leave_ranks()
-
-    # -------------------------------------------------------------------------- the ranks
-    def _send(self, name: str, args: list[tuple] | tuple = ()) -> None:
-        if self.peers is not None:
-            self.peers.send(name, args)
-
-    def _gather(self, what: str) -> list:
-        return self.peers.gather(what) if self.peers is not None else []
-
-    def _everywhere(self, name: str) -> dict:
-        """Runs a no-argument method on every rank; returns rank 0's answer."""
-        self._send(name)
-        mine = getattr(self.rank0, name)()
-        self._gather(name)
-        return mine
+        """Ends the ranks this actor started (asked, then killed after timeout_s)."""
+        if getattr(self, "ranks", None) is not None:
+            self.ranks.close(timeout_s)

@@ -57,7 +57,8 @@ class ActorSpec:
     max_positions: int
     device: str                   # rank 0's device (model.device); rank r takes the r-th next
     num_steps: int                # RL steps of the run
-    port: int = 0                 # the process group's rendezvous (several ranks)
+    port: int = 0                 # the process group's rendezvous (several ranks) ...
+    address: str = "127.0.0.1"    # ... on rank 0's node (hybrid workers: the IP Ray gives it)
 
     @property
     def total_optimizer_steps(self) -> int:
@@ -79,7 +80,7 @@ class ActorRank:
         cfg = spec.actor
         compute = DTYPES[cfg.compute_dtype]
         if spec.sharded:
-            init_ranks(rank, self.world, spec.port, self.device)
+            init_ranks(rank, self.world, spec.address, spec.port, self.device)
             self.model = load_sharded(spec.policy_dir, self.device, compute, spec.max_positions)
         else:
             self.model = load_plain(spec.policy_dir, self.device, spec.max_positions)
@@ -107,6 +108,10 @@ class ActorRank:
     @property
     def optimizer_steps(self) -> int:
         return int(self.scheduler.last_epoch)
+
+    def steps_taken(self) -> int:
+        """optimizer_steps, as a call the rank transports carry."""
+        return self.optimizer_steps
 
     # ---------------------------------------------------------------------------- an update
     def accumulate(self, micro: list[SequenceBatch | None], total: float,
@@ -206,6 +211,15 @@ class ActorRank:
         """A follower's side of `Actor.full_state`: the same gathers, in the same order."""
         self.training_state()
         self.drain_parameters()
+
+    def host_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """Rank 0: (every full fp32 parameter by name, training_state()) in host memory, for a
+        checkpoint written by the driver of hybrid workers; the other ranks take part in the
+        same gathers and return None."""
+        training = self.training_state()
+        gathered = self.gathered()
+        params = {name: t.detach().cpu().clone() for name, t in gathered.named_parameters()}
+        return (params, training) if self.rank == 0 else None
 
     def optimizer_state(self) -> dict:
         """The whole AdamW state keyed by parameter name, on rank 0's host (collective);

@@ -69,7 +69,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             _drafter_samples(run, batch, update.hidden, keep, items, completions, rewards)
     run.drafter.end_update()
     timer.lap("update")
-    run.engine.load_weights(run.actor.full_parameters())   # one tensor at a time
+    run.push_weights()   # on the device, one tensor at a time
     run.engine.advance_step()   # model-free drafters slide their window, budgets their history
     rollout_metrics = run.rollout_metrics(completions, rewards)
     drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(

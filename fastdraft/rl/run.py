@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from fastdraft.rl.preflight import preflight
 from fastdraft.rl.resume_check import check_resume_config
 from fastdraft.rl.stop import RunStopped, StepClock, stop_signal_in
 from fastdraft.utils.atomic import atomic_write_text
+from fastdraft.workers.ranks import ActorRanks, LocalRanks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,21 +70,24 @@ class Run:
         self.memory_plan = inputs.plan
         atomic_write_text(run_dir / "memory_plan.json",
                           json.dumps(self.memory_plan.as_dict(), indent=1))
-        make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
-                              self.memory_plan.engine_reserve)
-        self.engine = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir, run_dir,
-                                    max_seq_len)
-        # A resumed actor starts from the checkpoint's fp32 masters; the RNGs come back here.
-        loaded = self.checkpoints.load(latest) if latest is not None else None
-        # The actor scores every position the engine can sample at (its rotary table too).
-        self.actor = Actor(ActorSpec(
-            policy_dir=self.policy_dir if loaded is None else loaded.path / MODEL_DIR,
+        # The actor scores every position the engine can sample at (its rotary table too); a
+        # resumed one starts from the checkpoint's fp32 masters.
+        actor_spec = ActorSpec(
+            policy_dir=self.policy_dir if latest is None else latest / MODEL_DIR,
             reference_dir=self.policy_dir,
             actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_seq_len,
-            device=_actor_device(cfg, self.engine), num_steps=cfg.algorithm.num_steps),
-            peers=_actor_peers(cfg, self.engine))
+            device=cfg.model.device, num_steps=cfg.algorithm.num_steps)
+        make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
+                              self.memory_plan.engine_reserve)
+        self.engine = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir, run_dir,
+                                    max_seq_len, actor=actor_spec)
+        # The checkpoint's state (the RNGs come back here, after the engine's build).
+        loaded = self.checkpoints.load(latest) if latest is not None else None
+        self.hybrid = cfg.cluster.placement == "hybrid"   # the workers hold the actor's ranks
+        self.actor = Actor(replace(actor_spec, device=_actor_device(cfg, self.engine)),
+                           ranks=_actor_ranks(cfg, self.engine))
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -95,7 +100,7 @@ class Run:
                                             "scheduler": loaded.scheduler,
                                             "loss_scale": loaded.extra.get("loss_scale")})
             self.start_step = loaded.step
-            self.engine.load_weights(self.actor.full_parameters(), version=loaded.step)
+            self.push_weights(version=loaded.step)
             self.engine.load_state_dict(loaded.extra["engine"])
             # The drafter the run served (and trained), its trainer, its health: put back by
             # OnlineDrafter / FixedDrafter below.
@@ -118,6 +123,14 @@ class Run:
         self.saved_step = self.start_step   # the step of the newest checkpoint of this run
         # Written once the run is built: a refused or failed start leaves the last one as it was.
         dump_config(cfg, run_dir / "config.yaml")
+
+    def push_weights(self, version: int | None = None) -> int:
+        """The actor's weights into the rollout engine(s): hybrid workers each load their own
+        from the shards on the device; otherwise streamed from this process's gather. Returns
+        the engine's new policy version."""
+        if self.hybrid:
+            return self.engine.sync_weights(version)
+        return self.engine.load_weights(self.actor.full_parameters(), version)
 
     def on_finish(self, completion: Completion) -> None:
         for hook in self.on_finish_hooks:
@@ -155,8 +168,9 @@ class Run:
             return {}
         update_start = laps["rollout"] + laps["reward"]
         push_start = update_start + laps["update"]
+        updaters = self.engine.worker_names if self.hybrid else ["actor"]
         spans = [*self.engine.last_spans,
-                 Span("actor", "update", update_start, push_start),
+                 *(Span(w, "update", update_start, push_start) for w in updaters),
                  *(Span(w, "push", push_start, push_start + laps["push"])
                    for w in self.engine.worker_names)]
         self.timeline.log(step, spans)
@@ -261,16 +275,21 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
                                                  DTYPES[cfg.model.dtype], rollout.kv_block_size))
 
 
-def _actor_peers(cfg: RunConfig, engine: Any) -> Callable[..., Any]:
-    """How the actor's ranks 1..N-1 run: processes of the run, or a Ray worker group (on
+def _actor_ranks(cfg: RunConfig, engine: Any) -> Callable[[ActorSpec], ActorRanks]:
+    """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
+    this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
     bundles of its own, or colocated: on the rollout workers')."""
+    if cfg.cluster.placement == "hybrid":
+        config = engine.host.model.config
+        return lambda spec: engine.ranks(config)
     if cfg.cluster.backend == "ray":
         from fastdraft.cluster.actor_group import RayActorPeers
         if cfg.cluster.placement == "colocated":
-            return partial(RayActorPeers, placement=engine.actor_rank_options)
-        return partial(RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s)
-    from fastdraft.rl.actor_peers import ActorPeers
-    return ActorPeers
+            return partial(LocalRanks, peers=partial(RayActorPeers,
+                                                     placement=engine.actor_rank_options))
+        return partial(LocalRanks, peers=partial(
+            RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
+    return LocalRanks
 
 
 def _actor_device(cfg: RunConfig, engine: Any) -> str:

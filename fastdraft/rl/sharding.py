@@ -43,14 +43,16 @@ def rank_device(base: str, rank: int) -> torch.device:
 
 
 def free_port() -> int:
+    """A TCP port nothing on this machine listens on now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
-def init_ranks(rank: int, world: int, port: int, device: torch.device) -> None:
-    """Joins (or for one rank, creates) the default process group: gloo on the CPU, nccl on
-    GPUs. One rank still needs a group: FSDP2 shards over a mesh of one."""
+def init_ranks(rank: int, world: int, address: str, port: int, device: torch.device) -> None:
+    """Joins (or for one rank, creates) the default process group at rank 0's address:port:
+    gloo on the CPU, nccl on GPUs. One rank still needs a group: FSDP2 shards over a mesh of
+    one."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -61,8 +63,9 @@ def init_ranks(rank: int, world: int, port: int, device: torch.device) -> None:
     if world == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if address.startswith("127."):   # every rank on this machine: gloo's loopback device
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank,
                                 world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
 

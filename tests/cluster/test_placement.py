@@ -21,7 +21,7 @@ def _steps(policy, drafter, run_dir, placement: str) -> tuple[list, list, list]:
                    "algorithm.num_steps=2"), run_dir)
     answers, rows, where = [], [], []
     try:
-        where = run.actor.peers.placements()
+        where = run.actor.ranks.peers.placements()
         for step in range(2):
             rows.append(train_step(run, step))
             answers.append(sorted((c.index, c.token_ids) for part in run.engine.last_parts

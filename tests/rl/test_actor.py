@@ -53,13 +53,13 @@ def test_an_update_then_a_push_gives_the_engine_exactly_the_actors_weights(tiny_
     path, _ = tiny_checkpoint
     actor = Actor(spec(path))
     engine = RolloutEngine(path, max_batch_size=4, max_seq_len=32)
-    q_before = actor.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    q_before = actor.ranks.rank0.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     result = actor.update(rollout_batch(engine))
     assert result.applied and actor.step == 1   # one optimizer step per update
-    q_after = actor.model.model.layers[0].self_attn.q_proj.weight
+    q_after = actor.ranks.rank0.model.model.layers[0].self_attn.q_proj.weight
     assert q_after.is_leaf and not torch.equal(q_after, q_before)  # the engine did not steal it
     assert engine.load_weights(actor.full_parameters()) == 1
-    mine = dict(actor.model.named_parameters())
+    mine = dict(actor.ranks.rank0.model.named_parameters())
     for name, param in engine.model.named_parameters():
         assert torch.equal(param, mine[name]), name
     # ... so the engine's logprobs of a rollout are the actor's (up to fp32 rounding)
@@ -92,25 +92,25 @@ def test_the_ranks_share_the_micro_batches_and_pad_to_the_same_count():
 def test_a_nan_loss_skips_the_step(tiny_checkpoint, monkeypatch):
     path, _ = tiny_checkpoint
     actor = Actor(spec(path))
-    before = [p.detach().clone() for p in actor.model.parameters()]
-    monkeypatch.setattr(actor.rank0.algorithm, "objective", lambda *a, **k: (
+    before = [p.detach().clone() for p in actor.ranks.rank0.model.parameters()]
+    monkeypatch.setattr(actor.ranks.rank0.algorithm, "objective", lambda *a, **k: (
         lambda logprobs, mb: (logprobs.sum() * float("nan"), {})))
     result = actor.update(synthetic_batch())
     assert not result.applied and result.metrics["actor/skipped"] == 1.0
-    assert all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.ranks.rank0.model.parameters()))
 
 
 def test_a_refusing_gate_leaves_the_weights_untouched(tiny_checkpoint):
     path, _ = tiny_checkpoint
     actor = Actor(spec(path))
-    before = [p.detach().clone() for p in actor.model.parameters()]
+    before = [p.detach().clone() for p in actor.ranks.rank0.model.parameters()]
 
     def refuse(_):
         raise ValueError("gate")
     with pytest.raises(ValueError, match="gate"):
         actor.update(synthetic_batch(), before_step=refuse)
-    assert all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
-    assert all(p.grad is None for p in actor.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.ranks.rank0.model.parameters()))
+    assert all(p.grad is None for p in actor.ranks.rank0.model.parameters())
     assert actor.update(synthetic_batch()).applied   # and the next update is a clean one
 
 
@@ -222,7 +222,8 @@ def test_activation_checkpointing_gives_the_same_gradient(tiny_checkpoint, ranks
                            activation_checkpointing=checkpointing))
         try:
             if checkpointing:   # the layers really run under torch.utils.checkpoint
-                assert isinstance(actor.model.model.layers[0].forward, functools.partial)
+                layer = actor.ranks.rank0.model.model.layers[0]
+                assert isinstance(layer.forward, functools.partial)
             box: dict = {}
             assert actor.update(batch, before_step=lambda s, b=box: b.setdefault("s", s)).applied
             results.append((first_moments(actor), box["s"].logprob))

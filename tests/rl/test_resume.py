@@ -37,7 +37,8 @@ def _cfg(policy, *overrides):
 
 
 def _weights(run: Run) -> dict[str, torch.Tensor]:
-    return {n: full_tensor(p.detach()).clone() for n, p in run.actor.model.named_parameters()}
+    model = run.actor.ranks.rank0.model
+    return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("sharding", [

@@ -9,7 +9,7 @@ from fastdraft.config.sections.common import require as _require
 
 BACKENDS = ("local", "ray")
 DISPATCH = ("balance", "concentrate", "round_robin")
-PLACEMENT = ("separate", "colocated")
+PLACEMENT = ("separate", "colocated", "hybrid")
 DRAFTER_TRAINING = ("one", "data_parallel")
 
 
@@ -42,8 +42,12 @@ class ClusterConfig:
     placement (ray): separate: the actor's ranks 1..N-1 get bundles (devices) of their own;
     colocated: actor rank r shares rollout worker r's bundle and device (rank 0, the driver,
     worker 0's), and the workers give their KV cache (on a GPU also their weights, to the
-    host) back while the actor updates, as verl's hybrid engine does. Needs
-    actor.num_ranks <= cluster.rollout_workers.
+    host) back while the actor updates. Needs actor.num_ranks <= cluster.rollout_workers.
+    hybrid: one process per worker holds actor rank r beside its engine replica
+    (workers/hybrid.py, as verl's hybrid engine does): every worker rolls out and updates,
+    the weights go from the shards into each worker's engine on its own device (no host
+    copy, no object store), the engine gives back its KV cache for the update; the driver
+    holds no actor rank. Needs actor.num_ranks == cluster.rollout_workers.
     drafter_training (ray, online drafter): one (a trainer on the last worker's bundle, fed
     by every worker, promoted when the first worker goes idle) or data_parallel (a member on
     every worker's bundle; the idle workers' members train together, gradients all-reduced:
@@ -93,8 +97,8 @@ class ClusterConfig:
         _require(self.placement in PLACEMENT, f"cluster.placement must be one of {PLACEMENT}, "
                  f"got {self.placement!r}")
         _require(self.placement == "separate" or self.backend == "ray",
-                 "cluster.placement=colocated places actor ranks beside Ray rollout workers: "
-                 "set cluster.backend=ray")
+                 f"cluster.placement={self.placement} places actor ranks beside Ray rollout "
+                 "workers: set cluster.backend=ray")
         _require(self.drafter_training in DRAFTER_TRAINING, "cluster.drafter_training must be "
                  f"one of {DRAFTER_TRAINING}, got {self.drafter_training!r}")
         _require(self.drafter_training == "one" or self.backend == "ray",

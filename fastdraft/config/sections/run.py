@@ -67,6 +67,12 @@ class RunConfig:
                  f"cluster.placement=colocated puts actor rank r beside rollout worker r: "
                  f"actor.num_ranks={self.actor.num_ranks} needs cluster.rollout_workers >= "
                  f"{self.actor.num_ranks} (now {self.cluster.rollout_workers})")
+        _require(self.cluster.placement != "hybrid"
+                 or self.actor.num_ranks == self.cluster.rollout_workers,
+                 f"cluster.placement=hybrid makes every rollout worker an actor rank: set "
+                 f"actor.num_ranks={self.cluster.rollout_workers} (the workers) or "
+                 f"cluster.rollout_workers={self.actor.num_ranks} (now actor.num_ranks="
+                 f"{self.actor.num_ranks})")
         worker_device = self.cluster.worker_device or self.model.device
         _require(self.cluster.gpus_per_worker == 1 or worker_device.startswith("cuda"),
                  f"cluster.gpus_per_worker={self.cluster.gpus_per_worker} shares GPUs, and the "

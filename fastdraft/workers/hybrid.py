@@ -1,0 +1,92 @@
+"""HybridWorker: one process per device (a Ray actor) holding that device's actor rank (FSDP2
+shard, fp32 masters, AdamW; rl/actor_rank.py) beside a full engine replica in the serving dtype
+(cluster/rollout_worker.py: generate, tails, drafter weights). The workers are the actor's
+ranks (workers/hybrid_ranks.py carries the driver's calls to them) and every one rolls out.
+
+Weight sync stays on the device: after the update every worker gathers the full parameters
+from the FSDP2 shards (an all-gather among the workers, one parameter at a time) straight into
+its own engine, cast to the serving dtype as they land (`engine.load_weights` copies in place):
+no host copy, no object store, no driver on the path. Between rollout and update the engine
+gives back its KV cache only (the update needs the memory; the weights stay)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastdraft.cluster.rollout_worker import EngineFactory, RolloutWorker
+from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+
+#: The policy tensors the driver's host replica takes after a sync: what the online drafter's
+#: trainer reads of the policy (its embedding and head).
+HEAD = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSync:
+    """What one worker's sync did: seconds, bytes loaded into its engine, and the devices the
+    gathered tensors were on when they landed (the engine's own: nothing went through the
+    host)."""
+
+    seconds: float
+    nbytes: int
+    devices: tuple[str, ...]
+
+
+def rendezvous() -> tuple[str, int]:
+    """(this node's IP as Ray knows it, a free port here): where rank 0's process group
+    listens. Run as a Ray task in rank 0's bundle, so the address is that node's."""
+    import ray
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class HybridWorker(RolloutWorker):
+    def __init__(self, make_engine: EngineFactory, device: str, threads: int, spec: ActorSpec,
+                 rank: int) -> None:
+        super().__init__(make_engine, device, threads)
+        # Ray gives a GPU worker one GPU, which it sees as cuda:0; the engine has it too.
+        self.actor = ActorRank(spec, rank, "cuda:0" if spec.device.startswith("cuda")
+                               else None)
+
+    def rank_call(self, name: str, args: tuple) -> Any:
+        """ActorRank.<name>(*args): the driver's call of every rank (workers/ranks.py)."""
+        return getattr(self.actor, name)(*args)
+
+    def sync_weights(self, version: int) -> WeightSync:
+        """The actor's new weights into this worker's engine, on the device (collective: every
+        worker syncs at once, the gathers pair up)."""
+        start = time.perf_counter()
+        devices: set[str] = set()
+        nbytes = 0
+
+        def landing() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal nbytes
+            for name, tensor in gathered.named_parameters():
+                devices.add(str(tensor.device))
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        gathered = self.actor.gathered()
+        try:
+            self.engine.load_weights(landing(), version)
+        finally:
+            gathered.finish()   # a failed load: the peers' gathers still pair up
+        return WeightSync(time.perf_counter() - start, nbytes, tuple(sorted(devices)))
+
+    def policy_head(self) -> list[tuple[str, torch.Tensor]]:
+        """The engine's embedding and head (HEAD), for the driver's host replica."""
+        params = dict(self.engine.model.named_parameters())
+        return [(name, params[name].detach().cpu()) for name in HEAD if name in params]
+
+    def sleep(self) -> int:
+        """The KV cache back for the update on this device (the weights stay: they are
+        overwritten in place by the sync); the bytes given back."""
+        return self.engine.sleep(weights=False)

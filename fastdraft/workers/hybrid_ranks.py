@@ -1,0 +1,94 @@
+"""WorkerRanks: the actor's ranks inside the hybrid workers (workers/hybrid.py), behind the
+driver's ActorRanks Protocol (workers/ranks.py). A call goes to every worker at once and is
+answered in rank order; a worker that died is an ActorRankError naming it (the run then
+resumes from its last checkpoint: the rank's shard died with it). The full weights and
+training state come to the driver only for a checkpoint (rank 0 gathers them to its host)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastdraft.models import ModelConfig
+from fastdraft.rl.actor_peers import REPLY_TIMEOUT_S, ActorRankError
+from fastdraft.workers.ranks import PerRank, answer
+
+
+@dataclass(frozen=True, slots=True)
+class HostWeights:
+    """Full weights in host memory as a checkpoint's WeightSource."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.tensors.items()
+
+
+class WorkerRanks:
+    """workers: the hybrid workers' Ray handles, rank r = worker r."""
+
+    def __init__(self, workers: list[Any], config: ModelConfig,
+                 timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        self.workers, self.config, self.timeout_s = workers, config, timeout_s
+        self.world = len(workers)
+
+    def call(self, name: str, args: PerRank = ()) -> list[Any]:
+        return get_all([w.rank_call.remote(name, answer(args, r))
+                        for r, w in enumerate(self.workers)], name, self.timeout_s)
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        params, _ = self._host_state()
+        yield from params.items()
+
+    @contextmanager
+    def full_state(self) -> Iterator[tuple[HostWeights, dict]]:
+        params, training = self._host_state()
+        yield HostWeights(self.config, params), training
+
+    def _host_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return self.call("host_state")[0]
+
+    def lost(self, grace_s: float = 0.0) -> str | None:
+        import ray
+        for rank, worker in enumerate(self.workers):
+            try:
+                ray.get(worker.pid.remote(), timeout=max(grace_s, 10.0))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return f"hybrid worker {rank} (actor rank {rank}) died"
+        return None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Nothing of its own: the workers are the rollout pool's, closed with it."""
+
+
+def get_all(futures: list[Any], what: str, timeout_s: float = REPLY_TIMEOUT_S) -> list[Any]:
+    """Every hybrid worker's answer to one call (worker r's future at r), in rank order, taken
+    as they come: a worker that died, failed or went silent is an ActorRankError naming it at
+    once, even while its peers still wait for it in a collective."""
+    import ray
+    rank_of = {future: rank for rank, future in enumerate(futures)}
+    out: list[Any] = [None] * len(futures)
+    pending, deadline = list(futures), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1,
+                                  timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            rank = rank_of[pending[0]]
+            raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) sent nothing for "
+                                 f"{what} in {timeout_s:.0f} s")
+        rank = rank_of[ready[0]]
+        try:
+            out[rank] = ray.get(ready[0])
+        except ray.exceptions.RayActorError:
+            raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) died during "
+                                 f"{what}") from None
+        except ray.exceptions.RayTaskError as err:
+            raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) failed during "
+                                 f"{what}:\n{err}") from None
+    return out

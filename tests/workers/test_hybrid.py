@@ -1,0 +1,85 @@
+"""Hybrid workers (cluster.placement=hybrid): every worker holds an actor rank beside its engine
+replica, rolls out every step, updates (SPMD) and loads its engine from the shards itself; the
+run learns what one process learns (step 0's completions token for token, its loss within fp32
+tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft.rl.loop import train_step
+from fastdraft.rl.run import Run
+from tests.rl.test_loop import _cfg
+
+HYBRID = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
+          "actor.num_ranks=2", "rollout.temperature=1.0", "rollout.spec.method=eagle",
+          "algorithm.num_steps=2"]
+
+
+def _recorded(run: Run) -> list:
+    """Every completion the run's rollouts finish, as (index, token ids), in order of arrival."""
+    seen: list = []
+    run.on_finish_hooks.append(lambda c: seen.append((c.index, c.token_ids)))
+    return seen
+
+
+def _policy_names(value) -> bool:
+    """A (name, tensor) list of the policy's weights (what a put of the weights would be)."""
+    return isinstance(value, list) and any(
+        isinstance(x, tuple) and isinstance(x[0], str)
+        and (x[0].startswith("model.") or x[0] == "lm_head.weight") for x in value)
+
+
+def _engine_weights(worker) -> dict[str, torch.Tensor]:
+    import ray
+    return ray.get(worker.__ray_call__.remote(
+        lambda self: {n: p.detach().clone() for n, p in self.engine.model.named_parameters()}))
+
+
+@pytest.mark.xdist_group("ray")
+def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
+        loopback_ray, char_policy, char_drafter, tmp_path, monkeypatch):
+    import ray
+    one = Run(_cfg(char_policy, "rollout.temperature=1.0", "rollout.spec.method=eagle",
+                   f"drafter.path={char_drafter}", "algorithm.num_steps=2"), tmp_path / "one")
+    run = Run(_cfg(char_policy, *HYBRID, f"drafter.path={char_drafter}"), tmp_path / "two")
+    puts, real_put = [], ray.put
+
+    def put(value, *args, **kwargs):
+        puts.append(value)
+        return real_put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put)
+    seen_one, seen = _recorded(one), _recorded(run)
+    try:
+        one_rows, rows = [], []
+        for step in range(2):
+            one_rows.append(train_step(one, step))
+            rows.append(train_step(run, step))
+            spans = run.engine.last_spans
+            # both workers rolled out this step, and both updated
+            assert {s.worker for s in spans if s.state == "generate"} == {"rollout0", "rollout1"}
+            assert rows[-1]["cluster/rollout0/generate_s"] > 0
+            assert rows[-1]["cluster/rollout1/generate_s"] > 0
+            assert rows[-1]["timing/push_s"] > 0 and rows[-1]["rollout/logprob_diff_max"] < 1e-3
+            # every worker's engine holds the actor's new weights, bit for bit (fp32 serving),
+            # loaded on its own device from the gathered shards
+            actor = dict(run.actor.full_parameters())
+            for k, worker in enumerate(run.engine.workers):
+                assert all(torch.equal(actor[n], t) for n, t in _engine_weights(worker).items())
+                sync = run.engine.last_syncs[k]
+                assert sync.devices == ("cpu",)
+                assert sync.nbytes == sum(t.numel() * 4 for t in actor.values())
+            if step == 0:   # the same completions as one process, and the same loss
+                assert sorted(seen) == sorted(seen_one) and len(seen) == 12
+                assert rows[0]["actor/loss"] == pytest.approx(one_rows[0]["actor/loss"],
+                                                              abs=1e-5)
+        # no policy weights went through the object store (the drafter's went, as published)
+        assert not any(_policy_names(v) for v in puts)
+        assert run.engine._weights is None
+        run.save_checkpoint(2)   # rank 0's gather to the driver writes a loadable checkpoint
+        assert run.checkpoints.latest().name == "step-000002"
+    finally:
+        one.close_after_failure()
+        run.close_after_failure()

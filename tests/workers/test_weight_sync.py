@@ -1,0 +1,57 @@
+"""A hybrid worker's weight sync, in this process: the actor's new weights land in the worker's
+own engine straight from the gather (no host copy: `Tensor.cpu` is never called on the way),
+bit for bit in the serving dtype; between rollout and update the engine gives back its KV cache
+and keeps its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdraft import RolloutEngine
+from fastdraft.rl.sharding import full_tensor
+from fastdraft.workers.hybrid import HybridWorker
+from tests.rl.test_actor import spec
+
+
+@pytest.fixture
+def worker(char_policy):
+    make_engine = lambda device: RolloutEngine(char_policy, device=device,  # noqa: E731
+                                                dtype=torch.bfloat16, max_batch_size=2,
+                                                max_seq_len=64)
+    # FSDP2 over one rank (bf16 compute): the sync runs through the shards' all-gather
+    return HybridWorker(make_engine, "cpu", 0, spec(char_policy, compute_dtype="bfloat16"),
+                        rank=0)
+
+
+def test_sync_moves_the_actors_weights_into_its_engine_without_a_host_copy(worker,
+                                                                           monkeypatch):
+    with torch.no_grad():   # an update: every master moves
+        for param in worker.actor.model.parameters():
+            param.add_(0.01)
+    masters = {n: full_tensor(p.detach()).clone()
+               for n, p in worker.actor.model.named_parameters()}
+
+    def no_host_copy(self, *args, **kwargs):
+        raise AssertionError("a weight went through the host")
+
+    monkeypatch.setattr(torch.Tensor, "cpu", no_host_copy)
+    sync = worker.sync_weights(version=7)
+    monkeypatch.undo()
+    served = dict(worker.engine.model.named_parameters())
+    assert all(torch.equal(served[n], t.to(torch.bfloat16)) for n, t in masters.items())
+    assert worker.engine.policy_version == 7
+    assert sync.devices == ("cpu",) and sync.nbytes == sum(t.numel() * 4
+                                                            for t in masters.values())
+
+
+def test_the_engine_gives_back_its_kv_cache_for_the_update_and_keeps_its_weights(worker):
+    weights = {n: p.detach().clone() for n, p in worker.engine.model.named_parameters()}
+    kv = worker.engine.runner.kv_cache
+    released = worker.sleep()
+    assert released == kv.numel() * kv.element_size()
+    assert kv.untyped_storage().nbytes() == 0   # the cache's memory is back
+    assert all(p.untyped_storage().nbytes() > 0 for p in worker.engine.model.parameters())
+    worker.sync_weights(version=1)   # wakes the engine: the cache is back, the weights loaded
+    assert kv.untyped_storage().nbytes() > 0
+    assert all(torch.equal(p, weights[n]) for n, p in worker.engine.model.named_parameters())
