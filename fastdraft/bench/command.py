@@ -1,6 +1,6 @@
 """`fastdraft bench WHICH`: its arguments and the dispatch to each bench (engine, spec, gpu,
-recipe, drafter, rollout, cluster, kv). cli.py registers it; torch and the benches load inside
-the runner so `--help` stays fast."""
+recipe, drafter, rollout, cluster, hybrid, kv). cli.py registers it; torch and the benches load
+inside the runner so `--help` stays fast."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ if TYPE_CHECKING:  # annotations only
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options, grouped by the benches that read them (`fastdraft bench --help`)."""
     p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
-                                     "cluster", "kv"],
+                                     "cluster", "hybrid", "kv"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
-                   help="recipe, drafter, rollout, cluster, kv: RECIPE.yaml "
+                   help="recipe, drafter, rollout, cluster, hybrid, kv: RECIPE.yaml "
                         "[section.key=value ...] (default: recipes/tiny-grpo.yaml)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
@@ -82,6 +82,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--simulate", action="store_true",
                    help="cluster: only the simulator's projections (8 / 64 / 256 GPUs, 7B and "
                         "32B) from --gpu-json or the H100 floors; no runs")
+    g = p.add_argument_group("hybrid: hybrid workers vs one process vs colocated Ray ranks")
+    g.add_argument("--workers", type=int, default=2,
+                   help="hybrid: hybrid workers (and the colocated arm's rollout workers)")
     g = p.add_argument_group("kv: the paged KV cache's concurrency")
     g.add_argument("--trace", type=Path, default=None,
                    help="kv: a published answer-length trace for concurrency_ratio "
@@ -103,7 +106,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     if args.simulate:
         raise FastdraftError("--simulate is for `bench cluster` (the cluster simulator)")
-    if args.which in ("recipe", "drafter", "rollout", "cluster", "kv"):
+    if args.which in ("recipe", "drafter", "rollout", "cluster", "hybrid", "kv"):
         return _bench_from_recipe(args)
     sizes = args.batch_sizes or ("1,4,16" if args.which == "spec" else "1,16")
     batch_sizes = _positive_ints(sizes, "--batch-sizes")
@@ -139,11 +142,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_from_recipe(args: argparse.Namespace) -> int:
-    """`bench recipe | drafter | rollout | cluster | kv`: a recipe (default: the tiny one) and
-    overrides."""
+    """`bench recipe | drafter | rollout | cluster | hybrid | kv`: a recipe (default: the tiny
+    one) and overrides."""
     from fastdraft.bench import (
         cluster_bench,
         drafter_bench,
+        hybrid_bench,
         kv_bench,
         recipe_bench,
         rollout_bench,
@@ -152,6 +156,7 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
                    "drafter": (drafter_bench, drafter_bench.run_drafter_bench),
                    "rollout": (rollout_bench, rollout_bench.run_rollout_bench),
                    "cluster": (cluster_bench, cluster_bench.run_cluster_bench),
+                   "hybrid": (hybrid_bench, hybrid_bench.run_hybrid_bench),
                    "kv": (kv_bench, kv_bench.run_kv_bench)}[args.which]
     recipe, overrides = Path("recipes/tiny-grpo.yaml"), list(args.recipe_args)
     if overrides and "=" not in overrides[0]:
@@ -162,6 +167,7 @@ def _bench_from_recipe(args: argparse.Namespace) -> int:
              {"gpu_json": args.gpu_json, "consolidate_below": args.consolidate_below,
               "seeds": args.seeds}
              if args.which == "cluster" else
+             {"workers": args.workers} if args.which == "hybrid" else
              {"backends": args.backends.split(",") if args.backends else None,
               "paired_seeds": args.paired_seeds}
              if args.which == "recipe" else {})

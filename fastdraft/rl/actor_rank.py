@@ -32,6 +32,7 @@ from fastdraft.rl.sequences import SequenceBatch, empty_batch
 from fastdraft.rl.sharding import (
     DTYPES,
     Gathered,
+    UnitGathered,
     checkpoint_layers,
     init_ranks,
     load_plain,
@@ -202,6 +203,15 @@ class ActorRank:
     def gathered(self) -> Gathered:
         """The full fp32 parameters for one pass, one at a time; collective when sharded."""
         return Gathered(self.model)
+
+    def gathered_for(self, dtype: torch.dtype) -> Gathered | UnitGathered:
+        """The full parameters for a consumer in `dtype` (an engine): one all-gather per FSDP
+        unit, in the compute dtype, when that is `dtype` or fp32 (the tensors are then the
+        masters cast exactly as the consumer would cast them); else one fp32 parameter at a
+        time."""
+        if self.spec.sharded and DTYPES[self.spec.actor.compute_dtype] in (dtype, torch.float32):
+            return UnitGathered(self.model)
+        return self.gathered()
 
     def drain_parameters(self) -> None:
         """A follower's side of a gather rank 0 consumes: take part, keep nothing."""

@@ -44,7 +44,7 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
         kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
                                getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
     actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)
-    return RunPlan(engine=engine, actor=actor)
+    return RunPlan(engine=engine, actor=actor, hybrid=cfg.cluster.placement == "hybrid")
 
 
 def node_capacity(device: str, device_gb: float | None) -> Capacity:

@@ -200,10 +200,14 @@ class ActorPlan:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunPlan:
     """The engine and the actor on one node: device 0 (model.device) holds the engine and the
-    actor's rank 0, devices 1.. a rank each. On the CPU every rank and the host share RAM."""
+    actor's rank 0, devices 1.. a rank each; hybrid (cluster.placement=hybrid): every device
+    holds an engine replica and an actor rank, and the engine gives back its KV cache for the
+    update (workers/hybrid.py), so the cache and the update's transient never add up. On the
+    CPU every rank and the host share RAM."""
 
     engine: EnginePlan
     actor: ActorPlan
+    hybrid: bool = False
 
     @property
     def on_cpu(self) -> bool:
@@ -212,8 +216,13 @@ class RunPlan:
     @property
     def device0_bytes(self) -> int:
         """The engine's transient steps and the actor's update never overlap (rollout, then
-        update) and share one allocator's cache, so the larger of the two counts."""
+        update) and share one allocator's cache, so the larger of the two counts. Hybrid: any
+        device's (on the CPU: the RAM's, every worker in it)."""
         engine, actor = self.engine, self.actor
+        if self.hybrid:   # every device the same; the KV cache released while the actor updates
+            kept = engine.resident - engine.kv_cache + actor.state
+            device = kept + max(engine.kv_cache + engine.step_scratch, actor.transient)
+            return actor.shape.num_ranks * device + actor.host if self.on_cpu else device
         if self.on_cpu:   # every rank's process and rank 0's checkpoint snapshot in one RAM
             ranks = actor.shape.num_ranks
             return (engine.resident + ranks * actor.state + actor.host
@@ -222,7 +231,7 @@ class RunPlan:
 
     def fits(self, capacity_bytes: int, device0: bool = True) -> bool:
         """Device 0 (device0=True) and every other rank's device within capacity_bytes."""
-        others = (self.on_cpu or self.actor.shape.num_ranks == 1
+        others = (self.on_cpu or self.hybrid or self.actor.shape.num_ranks == 1
                   or self.actor.per_rank_bytes <= capacity_bytes)
         return others and (not device0 or self.device0_bytes <= capacity_bytes)
 
@@ -239,7 +248,7 @@ class RunPlan:
             actor = actor.with_tokens(tokens)
         if ranks is not None:
             actor = actor.with_ranks(ranks)
-        return RunPlan(engine=engine, actor=actor)
+        return replace(self, engine=engine, actor=actor)
 
     @property
     def engine_reserve(self) -> int:
@@ -249,6 +258,14 @@ class RunPlan:
 
     def lines(self, device_bytes: int) -> list[str]:
         ranks = self.actor.shape.num_ranks
+        if self.hybrid:
+            where = (f"one RAM, {gb(device_bytes)} usable): {ranks} x (engine replica + actor "
+                     "rank) + rank 0's checkpoint snapshot" if self.on_cpu else
+                     f"{ranks} devices of {gb(device_bytes)} usable): every device rolls out: "
+                     "engine replica + actor rank")
+            return [f"run memory plan ({ranks} hybrid workers, {where} "
+                    f"{gb(self.device0_bytes)}{'' if self.on_cpu else ' each'} (KV cache "
+                    f"{gb(self.engine.kv_cache)} released for the update)"]
         if self.on_cpu:
             return [f"run memory plan (one RAM, {gb(device_bytes)} usable): engine + {ranks} "
                     f"actor rank(s) + rank 0's checkpoint snapshot {gb(self.device0_bytes)}"]
@@ -260,20 +277,23 @@ class RunPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "actor": self.actor.as_dict(),
-                "device0_bytes": self.device0_bytes, "engine_reserve": self.engine_reserve}
+                "hybrid": self.hybrid, "device0_bytes": self.device0_bytes,
+                "engine_reserve": self.engine_reserve}
 
 
 def check_run_plan(engine_plan: EnginePlan, actor_plan: ActorPlan,
-                   device_capacity_bytes: int) -> None:
+                   device_capacity_bytes: int, hybrid: bool = False) -> None:
     """Refuses a run whose device 0 (engine + actor rank 0) or another rank's device needs more
     than device_capacity_bytes (usable bytes of one device; on the CPU: of the RAM), naming
     each setting that would make it fit on its own (or two together when none does alone)."""
-    plan, cap = RunPlan(engine=engine_plan, actor=actor_plan), device_capacity_bytes
+    plan = RunPlan(engine=engine_plan, actor=actor_plan, hybrid=hybrid)
+    cap = device_capacity_bytes
     if plan.fits(cap):
         return
     over = []
     if plan.device0_bytes > cap:
-        where = "the RAM" if plan.on_cpu else "device 0 (the engine and the actor's rank 0)"
+        where = ("the RAM" if plan.on_cpu else "each device (an engine replica and an actor "
+                 "rank)" if plan.hybrid else "device 0 (the engine and the actor's rank 0)")
         over.append(f"{gb(plan.device0_bytes)} on {where}")
     if not plan.fits(cap, device0=False):
         over.append(f"{gb(actor_plan.per_rank_bytes)} on each other rank's device")

@@ -158,3 +158,40 @@ class Gathered:
             if i >= self._done:
                 full_tensor(param.detach())
         self._done = sum(1 for _ in self._model.named_parameters())
+
+
+class UnitGathered:
+    """A sharded model's full parameters in the compute dtype, gathered one FSDP unit at a time
+    (FSDP2's `unshard`: one all-gather for a decoder layer's parameters together, one for the
+    root's: what its forward does), for a consumer in that dtype (an engine serving in it: the
+    gathered tensors are the fp32 masters cast as the engine's own cast would). Peak: the root
+    and one layer. Same contract as Gathered: `named_parameters()` once, `finish()` always."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.config = model.config
+        self._model = model
+        self._units = self._walk()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._units
+
+    def finish(self) -> None:
+        for _ in self._units:   # the units the consumer left: every rank gathers them
+            pass
+
+    def _walk(self) -> Iterator[tuple[str, torch.Tensor]]:
+        model = self._model
+        model.unshard()   # the root: embedding, final norm, lm_head
+        try:
+            for i, layer in enumerate(model.model.layers):
+                layer.unshard()
+                try:
+                    for name, param in layer.named_parameters():
+                        yield f"model.layers.{i}.{name}", param.detach()
+                finally:
+                    layer.reshard()
+            for name, param in model.named_parameters():
+                if not name.startswith("model.layers."):
+                    yield name, param.detach()
+        finally:
+            model.reshard()

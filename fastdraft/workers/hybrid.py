@@ -61,8 +61,9 @@ class HybridWorker(RolloutWorker):
         return getattr(self.actor, name)(*args)
 
     def sync_weights(self, version: int) -> WeightSync:
-        """The actor's new weights into this worker's engine, on the device (collective: every
-        worker syncs at once, the gathers pair up)."""
+        """The actor's new weights into this worker's engine, on the device, one FSDP unit's
+        all-gather at a time where the compute dtype allows (collective: every worker syncs at
+        once, the gathers pair up)."""
         start = time.perf_counter()
         devices: set[str] = set()
         nbytes = 0
@@ -74,7 +75,7 @@ class HybridWorker(RolloutWorker):
                 nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        gathered = self.actor.gathered()
+        gathered = self.actor.gathered_for(next(self.engine.model.parameters()).dtype)
         try:
             self.engine.load_weights(landing(), version)
         finally:

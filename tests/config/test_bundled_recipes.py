@@ -102,6 +102,9 @@ def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, cap
     cfg = load_recipe(RECIPES_DIR / name)
     assert plan["engine"]["num_slots"] == cfg.rollout.max_batch_size
     assert plan["actor"]["num_ranks"] == 8 and plan["actor"]["compute_dtype"] == "bfloat16"
+    # every GPU rolls out: 8 hybrid workers, each an engine replica beside its actor rank
+    assert plan["hybrid"] and "8 hybrid workers" in out and "every device rolls out" in out
+    assert cfg.cluster.rollout_workers == 8 and cfg.cluster.placement == "hybrid"
 
 
 def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
@@ -109,7 +112,7 @@ def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
                     "rollout.max_batch_size=256") == 2
     err = capsys.readouterr().err
-    assert "device 0 (the engine and the actor's rank 0)" in err
+    assert "each device (an engine replica and an actor rank)" in err
     slots = int(re.search(r"lower rollout\.max_batch_size to <= (\d+)", err).group(1))
     # the count it names is at least the fixed recipe's (which passes above)
     assert slots >= load_recipe(RECIPES_DIR / "qwen3-8b-grpo.yaml").rollout.max_batch_size

@@ -3,6 +3,7 @@ the tensors autograd really saves, and the run plan's refusal naming what to cha
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import replace
 
@@ -143,6 +144,26 @@ def test_ranks_that_do_not_fit_name_num_ranks():
     with pytest.raises(ValueError, match=r"each other rank's device.*raise actor\.num_ranks to "
                                          r">= \d+"):
         check_run_plan(plan.engine, actor, Capacity.of("cuda:0", 80 * GB).usable)
+
+
+def test_hybrid_plan_gives_every_device_a_replica_and_the_kv_cache_back_for_the_update():
+    plan = dataclasses.replace(_run_plan(32, 2048, 2048), hybrid=True)
+    engine, actor = plan.engine, plan.actor
+    # the KV cache and the update's transient never add up: the cache is released first
+    assert plan.device0_bytes == (engine.resident - engine.kv_cache + actor.state
+                                  + max(engine.kv_cache + engine.step_scratch, actor.transient))
+    one_engine = dataclasses.replace(plan, hybrid=False)
+    assert plan.device0_bytes < one_engine.device0_bytes
+    assert plan.fits(Capacity.of("cuda:0", 80 * GB).usable)
+    crowded = dataclasses.replace(_run_plan(512, 3072, 3072), hybrid=True)
+    with pytest.raises(ValueError, match=r"on each device \(an engine replica and an actor "
+                                         r"rank\).*rollout\.max_batch_size to <= \d+"):
+        check_run_plan(crowded.engine, crowded.actor, Capacity.of("cuda:0", 80 * GB).usable,
+                       hybrid=True)
+    cpu = dataclasses.replace(_run_plan(4, 256, 256, device="cpu"), hybrid=True)
+    per_worker = (cpu.engine.resident - cpu.engine.kv_cache + cpu.actor.state
+                  + max(cpu.engine.kv_cache + cpu.engine.step_scratch, cpu.actor.transient))
+    assert cpu.device0_bytes == 8 * per_worker + cpu.actor.host   # 8 workers in one RAM
 
 
 def test_cpu_run_plan_shares_one_ram():
