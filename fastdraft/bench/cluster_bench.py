@@ -43,7 +43,14 @@ from typing import Any
 
 from fastdraft.bench.common import write_json
 from fastdraft.bench.drafter_bench import drift_eval
-from fastdraft.cluster.simulator import SimConfig, StepShape, UnitCosts, projections, simulate_step
+from fastdraft.cluster.simulator import (
+    SimConfig,
+    StepShape,
+    UnitCosts,
+    long_tail_lengths,
+    projections,
+    simulate_step,
+)
 from fastdraft.config import load_recipe
 from fastdraft.engine.request import prompt_key
 from fastdraft.errors import FastdraftError
@@ -288,8 +295,9 @@ def _sim_error(run: Run, rows: list[dict[str, float]], steps: list[MeasuredStep]
 
 
 def run_projections(gpu_json: Path | None, json_path: Path | None = None) -> dict[str, Any]:
-    """`bench cluster --simulate`: the simulator's projections alone, no runs (seconds)."""
-    out = {"projections": _projections(gpu_json)}
+    """`bench cluster --simulate`: the simulator's projections alone, no runs (seconds): worker
+    counts and modes, and the 8B recipe's step in each layout of one 8-GPU node."""
+    out = {"projections": _projections(gpu_json), "layouts": recipe_8b_layouts()}
     if json_path is not None:
         write_json(json_path, out)
     return out
@@ -301,7 +309,33 @@ def projection_lines(out: dict[str, Any]) -> list[str]:
         lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "
                      f"step {row['step_s']:7.1f}s idle {row['idle_fraction']:.2f} speedup vs "
                      f"plain {row['speedup_vs_plain']:.2f}")
+    if "layouts" in out:
+        layouts = out["layouts"]
+        lines.append(f"  the 8B recipe's step on one node of 8 GPUs ({layouts['source']}):")
+        for row in layouts["rows"]:
+            lines.append(f"    [projection] {row['layout']:<10} {row['workers']} rolling out: "
+                         f"rollout {row['rollout_s']:6.1f}s update {row['update_s']:5.1f}s push "
+                         f"{row['push_s']:5.2f}s step {row['step_s']:6.1f}s "
+                         f"({row['vs_one_engine']:.2f}x one_engine)")
     return lines
+
+
+def recipe_8b_layouts() -> dict[str, Any]:
+    """recipes/qwen3-8b-grpo.yaml's step (128 prompts x 8 answers, 64 slots an engine, answers
+    of up to 2048 tokens) on 8 H100s in each layout (cluster/layouts.py), from the H100 floors
+    scaled to 8.19B parameters."""
+    from fastdraft.cluster.layouts import compare_layouts, update_s_estimate
+    params, requests, prompt, mean_answer = 8.19e9, 1024, 300, 700
+    scale = params / 7.6e9
+    costs = UnitCosts(**{**H100_7B.__dict__, "step_base_s": H100_7B.step_base_s * scale,
+                         "draft_level_s": H100_7B.draft_level_s * scale,
+                         "prefill_token_s": H100_7B.prefill_token_s * scale})
+    shape = StepShape(long_tail_lengths(requests, 8, mean_answer, 2.9, 2048, seed=0), 8, prompt)
+    update = update_s_estimate(params, requests * (prompt + mean_answer), 8)
+    return {"label": "projection", "rows": compare_layouts(shape, costs, 8, 64, update, params),
+            "source": f"H100 floors x {scale:.2f}; answers lognormal mean {mean_answer}, p99 / "
+                      "mean 2.9, up to 2048; accept length 3.0; update from FLOPs at 40% MFU "
+                      f"({update:.1f} s); links: NVLink 150, PCIe 25, object store 5 GB/s"}
 
 
 def _projections(gpu_json: Path | None) -> dict[str, Any]:

@@ -201,9 +201,9 @@ class ActorPlan:
 class RunPlan:
     """The engine and the actor on one node: device 0 (model.device) holds the engine and the
     actor's rank 0, devices 1.. a rank each; hybrid (cluster.placement=hybrid): every device
-    holds an engine replica and an actor rank, and the engine gives back its KV cache for the
-    update (workers/hybrid.py), so the cache and the update's transient never add up. On the
-    CPU every rank and the host share RAM."""
+    holds an engine replica and an actor rank, and on a GPU the engine gives back its KV cache
+    for the update (workers/hybrid.py), so the cache and the update's transient never add up.
+    On the CPU every rank and the host share RAM."""
 
     engine: EnginePlan
     actor: ActorPlan
@@ -219,10 +219,13 @@ class RunPlan:
         update) and share one allocator's cache, so the larger of the two counts. Hybrid: any
         device's (on the CPU: the RAM's, every worker in it)."""
         engine, actor = self.engine, self.actor
+        if self.hybrid and self.on_cpu:   # every worker in one RAM, the KV cache kept
+            ranks = actor.shape.num_ranks
+            return (ranks * (engine.resident + actor.state) + actor.host
+                    + ranks * max(engine.step_scratch, actor.transient))
         if self.hybrid:   # every device the same; the KV cache released while the actor updates
-            kept = engine.resident - engine.kv_cache + actor.state
-            device = kept + max(engine.kv_cache + engine.step_scratch, actor.transient)
-            return actor.shape.num_ranks * device + actor.host if self.on_cpu else device
+            return (engine.resident - engine.kv_cache + actor.state
+                    + max(engine.kv_cache + engine.step_scratch, actor.transient))
         if self.on_cpu:   # every rank's process and rank 0's checkpoint snapshot in one RAM
             ranks = actor.shape.num_ranks
             return (engine.resident + ranks * actor.state + actor.host
@@ -259,12 +262,13 @@ class RunPlan:
     def lines(self, device_bytes: int) -> list[str]:
         ranks = self.actor.shape.num_ranks
         if self.hybrid:
-            where = (f"one RAM, {gb(device_bytes)} usable): {ranks} x (engine replica + actor "
-                     "rank) + rank 0's checkpoint snapshot" if self.on_cpu else
-                     f"{ranks} devices of {gb(device_bytes)} usable): every device rolls out: "
-                     "engine replica + actor rank")
-            return [f"run memory plan ({ranks} hybrid workers, {where} "
-                    f"{gb(self.device0_bytes)}{'' if self.on_cpu else ' each'} (KV cache "
+            if self.on_cpu:
+                return [f"run memory plan ({ranks} hybrid workers, one RAM, {gb(device_bytes)} "
+                        f"usable): {ranks} x (engine replica + actor rank) + rank 0's "
+                        f"checkpoint snapshot {gb(self.device0_bytes)}"]
+            return [f"run memory plan ({ranks} hybrid workers, {ranks} devices of "
+                    f"{gb(device_bytes)} usable): every device rolls out: engine replica + "
+                    f"actor rank {gb(self.device0_bytes)} each (KV cache "
                     f"{gb(self.engine.kv_cache)} released for the update)"]
         if self.on_cpu:
             return [f"run memory plan (one RAM, {gb(device_bytes)} usable): engine + {ranks} "

@@ -14,14 +14,18 @@ from fastdraft.workers.hybrid import HybridWorker
 from tests.rl.test_actor import spec
 
 
-@pytest.fixture
-def worker(char_policy):
-    make_engine = lambda device: RolloutEngine(char_policy, device=device,  # noqa: E731
+def _worker(policy, release_kv: bool | None = None) -> HybridWorker:
+    make_engine = lambda device: RolloutEngine(policy, device=device,  # noqa: E731
                                                 dtype=torch.bfloat16, max_batch_size=2,
                                                 max_seq_len=64)
     # FSDP2 over one rank (bf16 compute): the sync runs through the shards' all-gather
-    return HybridWorker(make_engine, "cpu", 0, spec(char_policy, compute_dtype="bfloat16"),
-                        rank=0)
+    return HybridWorker(make_engine, "cpu", 0, spec(policy, compute_dtype="bfloat16"),
+                        rank=0, release_kv=release_kv)
+
+
+@pytest.fixture
+def worker(char_policy):
+    return _worker(char_policy, release_kv=True)   # as on a GPU
 
 
 def test_sync_moves_the_actors_weights_into_its_engine_without_a_host_copy(worker,
@@ -56,3 +60,8 @@ def test_the_engine_gives_back_its_kv_cache_for_the_update_and_keeps_its_weights
     worker.sync_weights(version=1)   # wakes the engine: the cache is back, the weights loaded
     assert kv.untyped_storage().nbytes() > 0
     assert all(torch.equal(p, weights[n]) for n, p in worker.engine.model.named_parameters())
+
+
+def test_on_the_cpu_the_kv_cache_stays(char_policy):
+    worker = _worker(char_policy)   # the default on a CPU device: one RAM, nothing to gain
+    assert worker.sleep() == 0 and worker.engine.runner.kv_cache.untyped_storage().nbytes() > 0
