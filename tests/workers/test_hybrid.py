@@ -83,3 +83,30 @@ def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
     finally:
         one.close_after_failure()
         run.close_after_failure()
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, char_policy,
+                                                                tmp_path):
+    """One process -> 2 hybrid workers -> one process: each resume starts from the checkpoint's
+    weights (the engines serve them: its policy version) and continues the step count."""
+    from safetensors.torch import load_file
+
+    from fastdraft.rl.loop import train
+    run_dir = tmp_path / "run"
+    hybrid = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
+              "actor.num_ranks=2"]
+    for steps, layout, resume in ((1, [], False), (2, hybrid, True), (3, [], True)):
+        run = Run(_cfg(char_policy, f"algorithm.num_steps={steps}", "logging.dashboard=false",
+                       *layout), run_dir, resume=resume)
+        try:
+            assert run.start_step == steps - 1 and run.engine.policy_version == steps - 1
+            if run.hybrid:   # every replica serves the checkpoint's masters
+                saved = load_file(str(run.checkpoints.latest() / "model" / "model.safetensors"))
+                for worker in run.engine.workers:
+                    served = _engine_weights(worker)
+                    assert all(torch.equal(served[n], t) for n, t in saved.items())
+            train(run)
+        finally:
+            run.close_after_failure()
+    assert run.checkpoints.latest().name == "step-000003"
