@@ -6,6 +6,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,9 @@ class CheckpointManager:
         self._mirror = HostMirror()
         self._hashed: set[Path] = set()   # checkpoints latest(digests=True) has hashed
         self.last_write_s = 0.0   # the last background write's seconds (a stop's estimate)
+        # A write another process makes into this root (hybrid workers' rank 0): wait() waits
+        # for it too, so latest() never races it.
+        self.pending_elsewhere: Callable[[], None] | None = None
 
     def save(self, step: int, state: TrainState, block: bool = False) -> None:
         """Returns once the state is copied to host; the write goes on in the background unless
@@ -66,6 +70,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Blocks until the pending write (if any) is on disk; re-raises its error once."""
+        if self.pending_elsewhere is not None:
+            self.pending_elsewhere()
         if self._pending is None:
             return
         (step, future), self._pending = self._pending, None

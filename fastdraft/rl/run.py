@@ -19,6 +19,7 @@ import torch
 from fastdraft.backends import build_rollout
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
+from fastdraft.checkpoint.state import RngState
 from fastdraft.cluster.timeline import Span, TimelineLog, spans_metrics
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
@@ -88,6 +89,8 @@ class Run:
         self.hybrid = cfg.cluster.placement == "hybrid"   # the workers hold the actor's ranks
         self.actor = Actor(replace(actor_spec, device=_actor_device(cfg, self.engine)),
                            ranks=_actor_ranks(cfg, self.engine))
+        if self.hybrid:
+            self.checkpoints.pending_elsewhere = self.actor.ranks.wait_checkpoint
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -184,6 +187,15 @@ class Run:
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
+        if self.hybrid:   # worker 0 writes it: the weights never come to this process
+            _, previous = self.actor.ranks.save_checkpoint(
+                str(self.checkpoints.root), self.cfg.checkpoint.keep, step,
+                {"config": config_dict(self.cfg), "drafter": self._drafter_state(),
+                 "extra": {"engine": self.engine.state_dict()}, "rng": RngState.capture()})
+            self.last_checkpoint_s = time.perf_counter() - start
+            self.clock.checkpoint_s = self.last_checkpoint_s + previous
+            self.saved_step = step
+            return
         with self.actor.full_state() as (model, training):
             self.checkpoints.save(step, TrainState(
                 model=model, optimizer=training["optimizer"], scheduler=training["scheduler"],
@@ -222,15 +234,18 @@ class Run:
 
     def _close_helpers(self, timeout_s: float = 30.0) -> None:
         """The drafter trainer and the actor's ranks ended (asked, killed after timeout_s), the
-        last checkpoint on disk."""
-        self.drafter.close(timeout_s)
-        self.actor.close(timeout_s)
-        if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers, Ray itself
-            self.engine.close()
-            if self.engine.owns_ray:
-                from fastdraft.cluster.ray_cluster import shutdown
-                shutdown()
-        self.checkpoints.close()
+        last checkpoint on disk (first: hybrid workers write it; closed either way)."""
+        try:
+            self.checkpoints.wait()
+        finally:
+            self.drafter.close(timeout_s)
+            self.actor.close(timeout_s)
+            if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers, Ray itself
+                self.engine.close()
+                if self.engine.owns_ray:
+                    from fastdraft.cluster.ray_cluster import shutdown
+                    shutdown()
+            self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
         """What --resume puts back: the engine's last good drafter (trainable tensors) and its

@@ -4,10 +4,12 @@ shard, fp32 masters, AdamW; rl/actor_rank.py) beside a full engine replica in th
 ranks (workers/hybrid_ranks.py carries the driver's calls to them) and every one rolls out.
 
 Weight sync stays on the device: after the update every worker gathers the full parameters
-from the FSDP2 shards (an all-gather among the workers, one parameter at a time) straight into
-its own engine, cast to the serving dtype as they land (`engine.load_weights` copies in place):
-no host copy, no object store, no driver on the path. Between rollout and update the engine
-gives back its KV cache only (on a GPU: the update needs the memory; the weights stay)."""
+from the FSDP2 shards (an all-gather among the workers per FSDP unit) straight into its own
+engine, cast to the serving dtype as they land (`engine.load_weights` copies in place): no host
+copy, no object store, no driver on the path. Between rollout and update the engine gives back
+its KV cache only (on a GPU: the update needs the memory; the weights stay). Checkpoints are
+written by worker 0 (every run's format: the full fp32 masters and AdamW state gathered to its
+host) into the run directory, which every node sees at the same path."""
 
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.cluster.rollout_worker import EngineFactory, RolloutWorker
 from fastdraft.rl.actor_rank import ActorRank, ActorSpec
 
@@ -54,6 +58,7 @@ class HybridWorker(RolloutWorker):
         """release_kv: give the KV cache back while the actor updates (default: on a GPU)."""
         super().__init__(make_engine, device, threads)
         self.release_kv = device.startswith("cuda") if release_kv is None else release_kv
+        self.checkpoints: CheckpointManager | None = None   # worker 0's writes
         # Ray gives a GPU worker one GPU, which it sees as cuda:0; the engine has it too.
         self.actor = ActorRank(spec, rank, "cuda:0" if spec.device.startswith("cuda")
                                else None)
@@ -83,6 +88,37 @@ class HybridWorker(RolloutWorker):
         finally:
             gathered.finish()   # a failed load: the peers' gathers still pair up
         return WeightSync(time.perf_counter() - start, nbytes, tuple(sorted(devices)))
+
+    def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
+                        ) -> tuple[float, float]:
+        """Collective: every worker gathers the optimizer state, then the parameters; worker 0
+        writes checkpoint `step` with `rest` (the driver's part: config, drafter, extra, rng)
+        through a CheckpointManager of its own (host snapshot now, the write in the
+        background, the format of every checkpoint), so no weight goes to the driver.
+        (seconds the call took, the previous write's seconds)."""
+        start = time.perf_counter()
+        training = self.actor.training_state()
+        gathered = self.actor.gathered()
+        try:
+            if self.actor.rank == 0:
+                if self.checkpoints is None:
+                    self.checkpoints = CheckpointManager(Path(root).parent, keep)
+                self.checkpoints.save(step, TrainState(
+                    model=gathered, optimizer=training["optimizer"],
+                    scheduler=training["scheduler"], step=step, config=rest["config"],
+                    drafter=rest["drafter"], rng=rest["rng"],
+                    extra={**rest["extra"], "loss_scale": training["loss_scale"]}))
+        finally:
+            gathered.finish()
+        previous = self.checkpoints.last_write_s if self.checkpoints is not None else 0.0
+        return time.perf_counter() - start, previous
+
+    def wait_checkpoint(self) -> float:
+        """Worker 0's pending checkpoint write on disk (its error raised here); its seconds."""
+        if self.checkpoints is None:
+            return 0.0
+        self.checkpoints.wait()
+        return self.checkpoints.last_write_s
 
     def policy_head(self) -> list[tuple[str, torch.Tensor]]:
         """The engine's embedding and head (HEAD), for the driver's host replica."""

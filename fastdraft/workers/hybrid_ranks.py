@@ -37,6 +37,7 @@ class WorkerRanks:
                  timeout_s: float = REPLY_TIMEOUT_S) -> None:
         self.workers, self.config, self.timeout_s = workers, config, timeout_s
         self.world = len(workers)
+        self.closed = False   # the workers are gone (the pool closed them)
 
     def call(self, name: str, args: PerRank = ()) -> list[Any]:
         return get_all([w.rank_call.remote(name, answer(args, r))
@@ -54,6 +55,19 @@ class WorkerRanks:
     def _host_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         return self.call("host_state")[0]
 
+    def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
+                        ) -> tuple[float, float]:
+        """Checkpoint `step` written by worker 0 (workers/hybrid.py); (seconds, the previous
+        write's seconds)."""
+        return get_all([w.save_checkpoint.remote(root, keep, step, rest) for w in self.workers],
+                       "the checkpoint gather", self.timeout_s)[0]
+
+    def wait_checkpoint(self) -> None:
+        """Worker 0's checkpoint write on disk (nothing once the workers are closed)."""
+        if not self.closed:
+            get_all([self.workers[0].wait_checkpoint.remote()], "the checkpoint write",
+                    self.timeout_s)
+
     def lost(self, grace_s: float = 0.0) -> str | None:
         import ray
         for rank, worker in enumerate(self.workers):
@@ -64,7 +78,8 @@ class WorkerRanks:
         return None
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Nothing of its own: the workers are the rollout pool's, closed with it."""
+        """The workers are the rollout pool's, closed with it; no call reaches them after."""
+        self.closed = True
 
 
 def get_all(futures: list[Any], what: str, timeout_s: float = REPLY_TIMEOUT_S) -> list[Any]:

@@ -78,8 +78,13 @@ def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
         # no policy weights went through the object store (the drafter's went, as published)
         assert not any(_policy_names(v) for v in puts)
         assert run.engine._weights is None
-        run.save_checkpoint(2)   # rank 0's gather to the driver writes a loadable checkpoint
-        assert run.checkpoints.latest().name == "step-000002"
+        # worker 0 writes the checkpoint: no weight comes to this process for it
+        monkeypatch.setattr(run.actor.ranks, "full_state", None)
+        run.save_checkpoint(2)
+        latest = run.checkpoints.latest(digests=True)   # waits for worker 0's write
+        assert latest.name == "step-000002"
+        saved = run.checkpoints.load(latest)
+        assert saved.step == 2 and saved.optimizer["state"]   # the full AdamW state, by name
     finally:
         one.close_after_failure()
         run.close_after_failure()
