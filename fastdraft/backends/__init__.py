@@ -37,7 +37,10 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
     hybrid = cfg.cluster.placement == "hybrid"
     started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers
                       + (0 if hybrid else cfg.actor.num_ranks - 1))
+    # What the workers load, and hybrid workers' rank 0 writes (checkpoints): on every node.
+    paths = {"model.path": policy_dir, "drafter.path": drafter_dir,
+             **({"--run-dir": work_dir} if hybrid else {})}
     pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True), device,
-                       cfg.rollout.group_size, actor=actor if hybrid else None)
+                       cfg.rollout.group_size, actor=actor if hybrid else None, paths=paths)
     pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
     return pool

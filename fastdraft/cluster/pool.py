@@ -22,11 +22,13 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fastdraft.cluster.dispatch import assign_groups
+from fastdraft.cluster.node_checks import check_nodes
 from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.cluster.reserve import reserve
 from fastdraft.cluster.rollout_calls import RolloutCalls
@@ -73,15 +75,19 @@ class RolloutPool(HostFront):
     reads of an engine's state is the host replica's (engine/host_front.py)."""
 
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
-                 device: str, group_size: int, actor: ActorSpec | None = None) -> None:
+                 device: str, group_size: int, actor: ActorSpec | None = None,
+                 paths: dict[str, Path | None] | None = None) -> None:
         """actor (cluster.placement=hybrid): every worker is a HybridWorker holding actor rank
-        r beside its engine (workers/hybrid.py); the ranks rendezvous on worker 0's node."""
+        r beside its engine (workers/hybrid.py); the ranks rendezvous on worker 0's node.
+        paths (setting -> path): what the workers load, checked on every worker's node before
+        any worker starts (cluster/node_checks.py)."""
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
         self.group_size = group_size
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
         self.bundle = worker_bundle(cfg, self.device)
         self.group = reserve([self.bundle] * cfg.rollout_workers, cfg.placement_timeout_s,
                              f"cluster.rollout_workers={cfg.rollout_workers}")
+        check_nodes(self.group, cfg.rollout_workers, paths or {}, cfg.placement_timeout_s)
         self.actor = None if actor is None else self._rendezvous(actor)
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
         self.restarts = 0
