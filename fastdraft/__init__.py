@@ -19,6 +19,6 @@ __all__ = ["BucketPlan", "BudgetConfig", "Completion", "FinishReason", "RolloutE
 
 
 def run_recipe(*args, **kwargs):
-    """fastdraft.rl.run.run_recipe: one GRPO run from a RunConfig (see `fastdraft run`)."""
-    from fastdraft.rl.run import run_recipe as run
+    """fastdraft.run.run.run_recipe: one GRPO run from a RunConfig (see `fastdraft run`)."""
+    from fastdraft.run.run import run_recipe as run
     return run(*args, **kwargs)

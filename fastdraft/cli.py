@@ -162,15 +162,15 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def run_recipe_cmd(args: argparse.Namespace) -> int:
     from fastdraft.config import load_recipe
     from fastdraft.errors import FastdraftError
-    from fastdraft.rl.run import run_recipe
+    from fastdraft.run.run import run_recipe
     if args.recipe is None:
         raise FastdraftError("name a recipe: fastdraft run RECIPE.yaml [section.key=value ...] "
                              "(bundled ones are in recipes/, e.g. recipes/tiny-grpo.yaml)")
     cfg = load_recipe(args.recipe, args.overrides)
     if args.dry_run:
-        from fastdraft.rl.dry_run import dry_run
+        from fastdraft.run.dry_run import dry_run
         return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir)
-    from fastdraft.rl.stop import RunStopped
+    from fastdraft.run.stop import RunStopped
     args.run_dir = args.run_dir or Path("runs") / cfg.name   # main() names it in errors
     try:
         run_recipe(cfg, args.run_dir, resume=args.resume or args.resume_force,
@@ -232,7 +232,7 @@ def _plot_args(p: argparse.ArgumentParser) -> None:
 
 @command("plot", "redraw a run's dashboard PNG from its metrics.jsonl")(_plot_args)
 def plot_cmd(args: argparse.Namespace) -> int:
-    from fastdraft.rl.dashboard import draw_dashboard
+    from fastdraft.observability.dashboard import draw_dashboard
     print(f"dashboard: {draw_dashboard(args.run_dir, args.out, args.reference)}")
     return 0
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         setattr(args, trailing, [*getattr(args, trailing), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from fastdraft.rl.stop import interrupt_on_sigterm, stop_signal_in
+    from fastdraft.run.stop import interrupt_on_sigterm, stop_signal_in
     interrupt_on_sigterm()
     start = time.perf_counter()
     try:

@@ -18,8 +18,8 @@ from fastdraft.engine import FinishReason, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from fastdraft.drafter.warmup import WarmupConfig
-from fastdraft.rl.tasks import Problem, get_task
-from fastdraft.rl.tasks.modsum import ANSWER_MARKER, ModSumTask, extract_answer, make_problem
+from fastdraft.data.tasks import Problem, get_task
+from fastdraft.data.tasks.modsum import ANSWER_MARKER, ModSumTask, extract_answer, make_problem
 
 HELDOUT_SEED_OFFSET = 10_000  # demo/bench prompts come from seeds the bootstrap never trains on
 
@@ -90,7 +90,7 @@ def prompt_ids(model_dir: Path, prompts_file: Path | None, n: int, seed: int = 0
     """Up to n prompts as token ids: from a local JSONL/parquet file, else task problems."""
     if prompts_file is None:
         return [ids for ids, _, _ in heldout_prompts(model_dir, n, seed, heldout)]
-    from fastdraft.rl.data import load_prompts
+    from fastdraft.data.files import load_prompts
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [tokenizer.encode(r["prompt"], add_special_tokens=False)
             for r in load_prompts(prompts_file)[:n]]
@@ -149,7 +149,7 @@ def generate_demo(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = get_task("modsum")
     if args.prompts is not None:
-        from fastdraft.rl.data import load_prompts
+        from fastdraft.data.files import load_prompts
         rows = load_prompts(args.prompts)[: args.num_prompts]
         items = [(tokenizer.encode(r["prompt"], add_special_tokens=False), r["prompt"], None)
                  for r in rows]

@@ -1,6 +1,6 @@
 """A user's mistakes, each refused before any work: exit 2, one line naming the file / row / key
 and what to change, nothing written under the run dir or the cache, no process left behind, and
-the same verdict from `--dry-run` (rl/preflight.py: one function both call)."""
+the same verdict from `--dry-run` (run/preflight.py: one function both call)."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_a_tokenizer_that_makes_no_tokens_is_refused(char_policy, tmp_path):
     """transformers builds an empty tokenizer for a directory without its files, silently;
     the policy the run resolves (a bootstrap policy in a damaged cache) is proven to encode."""
     from fastdraft.errors import FastdraftError
-    from fastdraft.rl.run_inputs import load_tokenizer
+    from fastdraft.run.inputs import load_tokenizer
     assert load_tokenizer(char_policy, "model.path").encode("1 + 2")
     policy = _copy_policy(char_policy, tmp_path, ("tokenizer.json", "tokenizer_config.json",
                                                    "special_tokens_map.json"))

@@ -73,8 +73,8 @@ def test_warmup_drafter_records_extra_meta(tmp_path, tiny_checkpoint):
 
 
 def test_verdict_names_what_the_verifier_found():
+    from fastdraft.data.tasks.modsum import ModSumTask, make_problem
     from fastdraft.engine import FinishReason
-    from fastdraft.rl.tasks.modsum import ModSumTask, make_problem
     task, problem = ModSumTask(), make_problem([7, 3, 9, 4])   # answer 3
     assert demo.verdict(task, problem, "7,0,9,3#3", FinishReason.STOP) == "correct"
     assert demo.verdict(task, problem, "7,0,9,3#3,1,1", FinishReason.LENGTH) == "correct"

@@ -31,8 +31,8 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
                            kv_cache_gb=rollout.kv_cache_gb)
     if cfg.cluster.backend == "local":
         return make_engine(device)
-    from fastdraft.cluster.pool import RolloutPool
     from fastdraft.cluster.ray_cluster import connect
+    from fastdraft.workers.pool import RolloutPool
     threads = max(cfg.cluster.worker_threads, 1)
     hybrid = cfg.cluster.placement == "hybrid"
     started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers

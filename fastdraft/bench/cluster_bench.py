@@ -12,7 +12,7 @@ of one thread each:
 - ray_consolidate: ray_on with tail consolidation (cluster.consolidate_below, --consolidate-
   below): a worker's last requests move to the worker still generating, and the donor trains.
 - ray_dp: ray_on with cluster.drafter_training=data_parallel: a trainer member on every worker's
-  bundle, the idle workers' members training together (cluster/trainer_group.py).
+  bundle, the idle workers' members training together (workers/trainer_group.py).
 --seeds N runs ray_off / ray_on / local_on again with the next N - 1 seeds.
 
 Reported: `exposed_drafter_cost` = ray_on / ray_off mean step time, the mean over the seeds'
@@ -54,8 +54,8 @@ from fastdraft.cluster.simulator import (
 from fastdraft.config import load_recipe
 from fastdraft.engine.request import prompt_key
 from fastdraft.errors import FastdraftError
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 
 RAY = ["cluster.backend=ray", "cluster.worker_threads=1"]
 ARMS = {"local_off": ["drafter.online.enabled=false"],

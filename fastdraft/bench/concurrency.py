@@ -22,7 +22,7 @@ from typing import Any
 from fastdraft.config import RunConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.errors import FastdraftError
-from fastdraft.rl.run_inputs import rollout_seq_len
+from fastdraft.run.inputs import rollout_seq_len
 
 DEFAULT_TRACE = Path(__file__).with_name("traces") / "verl-issue-7412-step34.json"
 

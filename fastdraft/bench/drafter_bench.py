@@ -33,8 +33,8 @@ from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
 from fastdraft.databuffer import DataBuffer, Sample, pack_rows, pad
 from fastdraft.engine import SamplingParams
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.losses import compute_drafter_loss
 from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent, draft_batch

@@ -23,7 +23,7 @@ from typing import Any
 from fastdraft.bench.cluster_bench import _interleave, _sim_error
 from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
-from fastdraft.rl.run import Run
+from fastdraft.run.run import Run
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
          "drafter.export=false", "checkpoint.every=1000"]

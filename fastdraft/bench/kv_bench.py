@@ -38,8 +38,8 @@ from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM
-from fastdraft.rl.run import DTYPES
-from fastdraft.rl.run_inputs import rollout_seq_len
+from fastdraft.run.inputs import rollout_seq_len
+from fastdraft.run.run import DTYPES
 
 # name: (kv_block_size, prompts shared, paged reads chunked by row length)
 ARMS = {"static": (0, False, False), "static_shared": (0, True, False),

@@ -38,8 +38,8 @@ from fastdraft.bench.common import write_json
 from fastdraft.config import load_recipe
 from fastdraft.config.sections.rollout import ROLLOUT_BACKENDS
 from fastdraft.errors import FastdraftError
-from fastdraft.rl.loop import rollout, train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import rollout, train_step
+from fastdraft.run.run import Run
 
 
 def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,

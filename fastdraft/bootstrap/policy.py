@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from fastdraft.bootstrap.determinism import deterministic_cpu
 from fastdraft.bootstrap.spec import BootstrapSpec
 from fastdraft.bootstrap.tokenizer import DEFAULT_ALPHABET, vocab_size_for
+from fastdraft.data.tasks import Problem, Task, get_task
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.models.config import FAMILIES
-from fastdraft.rl.tasks import Problem, Task, get_task
 from fastdraft.utils.schedule import warmup_cosine_lr
 
 IGNORE_INDEX = -100

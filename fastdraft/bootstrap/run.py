@@ -28,10 +28,10 @@ from fastdraft.bootstrap.determinism import deterministic_cpu, runtime_info, wei
 from fastdraft.bootstrap.policy import EOS_ID, encode_prompt, heldout_problems, train_bootstrap
 from fastdraft.bootstrap.spec import DEFAULT_SPEC, BootstrapSpec, get_spec
 from fastdraft.bootstrap.tokenizer import BOS_TOKEN, build_char_tokenizer
+from fastdraft.data.tasks import Problem, Task, get_task, length_percentiles
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.errors import Place, writable_dir
 from fastdraft.models import save_model
-from fastdraft.rl.tasks import Problem, Task, get_task, length_percentiles
 from fastdraft.utils.atomic import publish_dir
 
 Log = Callable[[str], None]

@@ -30,7 +30,7 @@ UNK_TOKEN = "<unk>"
 #: Special tokens in id order: <pad>=0, <eos>=1, <bos>=2, <unk>=3.
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
 
-#: Digits and arithmetic symbols for the synthetic tasks (rl/tasks), plus lowercase letters and
+#: Digits and arithmetic symbols for the synthetic tasks (data/tasks), plus lowercase letters and
 #: a little punctuation so that prompts may carry short words; space and newline included.
 DEFAULT_ALPHABET: str = string.digits + "+-*=,.#:()?" + string.ascii_lowercase + " \n"
 

@@ -19,7 +19,7 @@ from fastdraft.models import CausalLM, ModelConfig
 
 class WeightSource(Protocol):
     """What a checkpoint reads its weights from: a CausalLM, or a sharded actor's gathering
-    view of one (rl/sharding.Gathered)."""
+    view of one (actor/sharding.Gathered)."""
 
     config: ModelConfig
 
@@ -44,7 +44,7 @@ class HostMirror:
     keeps host memory at one copy of the weights. It is a real CausalLM so that save_model (the
     one HF writer) writes it; its rotary tables are never computed because it never runs. The
     source is read in one pass of `named_parameters()`: a sharded actor hands a view that
-    gathers each full parameter as the pass reaches it (rl/sharding.Gathered).
+    gathers each full parameter as the pass reaches it (actor/sharding.Gathered).
     """
 
     def __init__(self) -> None:

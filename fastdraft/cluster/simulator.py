@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fastdraft.cluster.rollout_events import Rollout, RolloutSetup
-from fastdraft.cluster.timeline import Span
 from fastdraft.cluster.unit_costs import UnitCosts
 from fastdraft.cluster.workload import StepShape, load_shapes, long_tail_lengths, save_shapes
 from fastdraft.config.sections.cluster import DISPATCH
 from fastdraft.errors import FastdraftError
+from fastdraft.observability.timeline import Span
 
 # Re-exported: the simulator's whole API from one import.
 __all__ = ["DISPATCH", "MODES", "SimConfig", "StepResult", "StepShape", "UnitCosts", "WorkerSpan",
@@ -220,7 +220,7 @@ def summarize(results: dict[str, list[StepResult]]) -> dict[str, dict[str, float
 
 
 def timeline_spans(result: StepResult, costs: UnitCosts) -> list[Span]:
-    """The step as fastdraft.cluster.timeline spans (the dashboard's Gantt panel): rollout
+    """The step as fastdraft.observability.timeline spans (the dashboard's Gantt panel): rollout
     worker i is "rollout{i}"; the actor updates after the rollout (costs.update_s), then every
     rollout worker receives the weights (costs.push_s). Zero-length spans are left out."""
     spans = [Span(f"rollout{s.worker}", s.state, s.start_s, s.end_s) for s in result.spans]

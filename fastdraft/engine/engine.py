@@ -75,7 +75,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                  memory_reserve: int = 0, kv_block_size: int = KV_BLOCK_SIZE,
                  kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
         """memory_reserve: bytes to leave free on the device for others sharing it (a run's
-        actor rank 0: rl/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
+        actor rank 0: actor/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
         block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
         what static slots would hold, so no request ever waits for blocks); paged_attention:
         "gather" or "triton" (decode and verify steps read the blocks in place;

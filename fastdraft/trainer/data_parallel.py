@@ -1,4 +1,4 @@
-"""Data-parallel drafter training among the members of a round (cluster/trainer_group.py): every
+"""Data-parallel drafter training among the members of a round (workers/trainer_group.py): every
 member samples its own batch from its own buffer, the gradients are summed weighted by tokens
 (so the step is the one a single trainer would take on all the members' batches together),
 and every member takes the same optimizer step, so they stay identical. A round's members

@@ -2,7 +2,7 @@
 runs in. It owns the trainer's DataBuffer and SpotTrainer and answers the loop's calls (samples
 and rewards in, the policy head at each step, micro-steps while told to train, preemption,
 publish, state). Two handles serve it from a process of its own: `trainer/worker.py` (the
-local backend: a spawned process and two queues) and `cluster/trainer_actor.py` (the Ray
+local backend: a spawned process and two queues) and `workers/trainer_actor.py` (the Ray
 backend: a Ray actor on a rollout worker's bundle). Both call these methods by name and
 nothing else, so the two backends train the same way.
 
@@ -128,7 +128,7 @@ class TrainerService:
         cap = self.cap if cap is None else cap
         return cap is not None and self.stats.steps - self.stats.steps_at_advance >= cap
 
-    # data-parallel members (cluster/trainer_group.py): a round's collectives
+    # data-parallel members (workers/trainer_group.py): a round's collectives
     def round_start(self, pg: Any, rank: int) -> int:
         """The freshest member's state, in every member of the round (its rank returned)."""
         with self._lock:

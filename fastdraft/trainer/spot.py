@@ -197,7 +197,7 @@ class SpotTrainer:
 
     def step(self, reduce: GradReduce | None = None) -> bool:
         """One micro-step; False when the buffer has nothing to train on. reduce: data-parallel
-        training (cluster/trainer_group.py): the members' gradients combined before the
+        training (workers/trainer_group.py): the members' gradients combined before the
         optimizer step, every member taking part even with nothing to train on (then its
         gradient is zero and weighs nothing); False when no member had anything."""
         packed = self.buffer.sample(self.cfg.token_budget, rows=True)

@@ -3,7 +3,7 @@ process of its own, so that it shares nothing with the RL loop but the machine: 
 engine's tail steps are Python-bound and a trainer thread in the same process slowed them ~5x
 on the 2-core CPU), its own torch threads, its own DataBuffer, and on a GPU its own CUDA
 context (spawned, never forked: CUDA cannot be forked). The Ray backend serves the same
-TrainerService from a Ray actor instead (cluster/trainer_actor.py).
+TrainerService from a Ray actor instead (workers/trainer_actor.py).
 
 The loop calls the service's methods by name through one queue, `(method, args)`; the three
 that answer (`paused`, `publish`, `state`) answer on a reply queue, `(method, value)`. One
@@ -18,7 +18,8 @@ handles: torch's file-descriptor sharing runs out of descriptors over thousands 
 Bounds: at most `inbox_samples` samples wait in the queue (a semaphore the process releases as
 it takes one; the sample after that is dropped and counted, never queued), and every wait for a
 reply ends within `reply_timeout_s`: a process that died, hung or raised becomes a
-WorkerFailure for the caller (rl/online_drafter.py decides what happens next), never a hung run.
+WorkerFailure for the caller (trainer/online_drafter.py decides what happens next), never a
+hung run.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A SIGKILLed or crashed run must leave no orphans: each helper asks the kernel fo
 its parent dies (Linux's parent-death signal). Ctrl-C reaches the whole foreground process group
 and schedulers (SLURM, Kubernetes) signal every process of a job; a helper that died of it would
 take the step under way with it. So helpers ignore SIGINT and SIGTERM: the run's process catches
-them, finishes its step, writes a checkpoint and then closes its helpers (rl/stop.py)."""
+them, finishes its step, writes a checkpoint and then closes its helpers (run/stop.py)."""
 
 from __future__ import annotations
 

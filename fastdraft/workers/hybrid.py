@@ -1,6 +1,6 @@
 """HybridWorker: one process per device (a Ray actor) holding that device's actor rank (FSDP2
-shard, fp32 masters, AdamW; rl/actor_rank.py) beside a full engine replica in the serving dtype
-(cluster/rollout_worker.py: generate, tails, drafter weights). The workers are the actor's
+shard, fp32 masters, AdamW; actor/rank.py) beside a full engine replica in the serving dtype
+(workers/rollout_worker.py: generate, tails, drafter weights). The workers are the actor's
 ranks (workers/hybrid_ranks.py carries the driver's calls to them) and every one rolls out.
 
 Weight sync stays on the device: after the update every worker gathers the full parameters
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from fastdraft.actor.rank import ActorRank, ActorSpec
 from fastdraft.checkpoint import CheckpointManager, TrainState
-from fastdraft.cluster.rollout_worker import EngineFactory, RolloutWorker
-from fastdraft.rl.actor_rank import ActorRank, ActorSpec
+from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
 
 #: The policy tensors the driver's host replica takes after a sync: what the online drafter's
 #: trainer reads of the policy (its embedding and head).

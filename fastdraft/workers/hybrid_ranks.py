@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from fastdraft.actor.peers import REPLY_TIMEOUT_S, ActorRankError
 from fastdraft.models import ModelConfig
-from fastdraft.rl.actor_peers import REPLY_TIMEOUT_S, ActorRankError
 from fastdraft.workers.ranks import PerRank, answer
 
 

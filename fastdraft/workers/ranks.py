@@ -1,7 +1,7 @@
-"""The actor's ranks as the driver talks to them (rl/actor.py): one Protocol, two transports.
+"""The actor's ranks as the driver talks to them (workers/actor.py): one Protocol, two transports.
 
 - `LocalRanks`: rank 0 in this process, ranks 1..N-1 as its followers (processes of the run,
-  rl/actor_peers.py, or Ray actors of their own, cluster/actor_group.py).
+  actor/peers.py, or Ray actors of their own, workers/actor_group.py).
 - `WorkerRanks` (workers/hybrid_ranks.py): every rank inside a hybrid worker, beside that
   worker's engine replica; the driver holds none.
 
@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
+from fastdraft.actor.peers import ActorPeers
+from fastdraft.actor.rank import ActorRank, ActorSpec
+from fastdraft.actor.sharding import leave_ranks
 from fastdraft.checkpoint.snapshot import WeightSource
-from fastdraft.rl.actor_peers import ActorPeers
-from fastdraft.rl.actor_rank import ActorRank, ActorSpec
-from fastdraft.rl.sharding import leave_ranks
 
 PerRank = list[tuple] | tuple   # one argument tuple per rank, or one tuple for all
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdraft.algo.logprobs import logprobs_of, next_token_logits
 from fastdraft.config import load_recipe
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.engine import SamplingParams
-from fastdraft.rl.logprobs import logprobs_of, next_token_logits
-from fastdraft.rl.run import build_engine
-from fastdraft.rl.run_inputs import resolve_drafter, resolve_policy
+from fastdraft.run.inputs import resolve_drafter, resolve_policy
+from fastdraft.run.run import build_engine
 from tests.backends.needs_vllm import needs_vllm
 from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of, exact_sequence_probs
 
@@ -50,7 +50,7 @@ def served(tmp_path_factory):
                        kv_cache_gb=1)
     from transformers import AutoTokenizer
 
-    from fastdraft.rl.prompts import PromptSource
+    from fastdraft.data.prompts import PromptSource
     prompts = PromptSource(cfg.data, AutoTokenizer.from_pretrained(policy), 240)
     assert vllm.fixed_cpu_kernels   # (the CPU build: docs/vllm-backend.md)
     yield vllm, native, [it.ids for it in prompts.batch(0, 16)]

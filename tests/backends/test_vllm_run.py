@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fastdraft.config import load_recipe
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 from tests.backends.needs_vllm import needs_vllm
 
 needs_vllm()

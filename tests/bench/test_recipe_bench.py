@@ -16,8 +16,8 @@ from fastdraft.bench.recipe_bench import (
     summary_lines,
 )
 from fastdraft.config import load_recipe
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 
 
 def test_recipe_bench_reports_ratios_curves_and_a_plot(char_policy, tmp_path):

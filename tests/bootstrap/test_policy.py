@@ -24,9 +24,9 @@ from fastdraft.bootstrap.policy import (
     train_policy,
 )
 from fastdraft.bootstrap.tokenizer import build_char_tokenizer
+from fastdraft.data.tasks import get_task
+from fastdraft.data.tasks.modsum import make_problem
 from fastdraft.models import CausalLM
-from fastdraft.rl.tasks import get_task
-from fastdraft.rl.tasks.modsum import make_problem
 
 TINY = BootstrapSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                      num_kv_heads=1, steps=25, batch_size=16, lr=1e-2, warmup_steps=2,

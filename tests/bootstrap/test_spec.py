@@ -14,7 +14,7 @@ from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS, BootstrapSpec, get_spec
 from fastdraft.config.recipe import load_recipe
 from fastdraft.drafter.eagle3 import eagle3_aux_layers
 from fastdraft.models import ModelConfig
-from fastdraft.rl.run_inputs import resolve_policy
+from fastdraft.run.inputs import resolve_policy
 
 #: The cache key of the tiny CPU recipe's policy. Cached policies (and every figure measured on
 #: one) are found by it: a change here silently retrains a different policy for everyone.

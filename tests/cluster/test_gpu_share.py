@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from fastdraft.cluster.pool import TRAINER_GPU_SHARE, worker_bundle
 from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config.sections import ClusterConfig
+from fastdraft.workers.pool import TRAINER_GPU_SHARE, worker_bundle
 from tests.rl.test_loop import _cfg
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config import load_recipe
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
 
 RAY = ["cluster.backend=ray", "cluster.rollout_workers=2", "actor.num_ranks=2",

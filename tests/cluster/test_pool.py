@@ -38,7 +38,7 @@ def _factory(path, drafter):
 
 
 def _pool(path, drafter, workers: int, dispatch: str = "balance", **cluster):
-    from fastdraft.cluster.pool import RolloutPool
+    from fastdraft.workers.pool import RolloutPool
     host = RolloutEngine(path, "cpu", max_batch_size=1, max_seq_len=160, drafter=drafter,
                          spec=SPEC)
     cfg = ClusterConfig(backend="ray", rollout_workers=workers, dispatch=dispatch,

@@ -29,7 +29,7 @@ def test_a_placement_the_cluster_can_make_is_ready_and_one_it_cannot_is_named(lo
 def test_a_run_whose_placement_cannot_be_made_stops_with_one_line(local_ray, char_policy,
                                                                   tmp_path):
     from fastdraft.config import load_recipe
-    from fastdraft.rl.run import Run
+    from fastdraft.run.run import Run
     cfg = load_recipe(None, [f"model.path={char_policy}", "rollout.spec.method=none",
                              "rollout.max_seq_len=64", "rollout.max_new_tokens=8",
                              "rollout.max_batch_size=8", "logging.wandb.mode=disabled",

@@ -16,7 +16,7 @@ pytest.importorskip("ray")   # the worker's methods carry Ray's concurrency anno
 
 
 def test_a_tail_handed_to_a_queued_call_is_finished_by_it(tiny_checkpoint, random_drafter):
-    from fastdraft.cluster.rollout_worker import RolloutWorker
+    from fastdraft.workers.rollout_worker import RolloutWorker
     path, _ = tiny_checkpoint
     make = partial(RolloutEngine, path, max_batch_size=8, max_seq_len=80, drafter=random_drafter,
                    spec=SpecConfig(method="eagle", depth=2, topk=2, tokens_to_verify=4))

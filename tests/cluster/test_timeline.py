@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fastdraft.cluster.timeline import (
+from fastdraft.observability.timeline import (
     STATES,
     TIMELINE_FILE,
     Span,

@@ -40,7 +40,7 @@ def _thread_nices(pid: int) -> list[int]:
 
 
 def _ray_trainer(setup: TrainerSetup):
-    from fastdraft.cluster.trainer_actor import RayTrainer
+    from fastdraft.workers.trainer_actor import RayTrainer
     return RayTrainer(setup, CFG, SpotStats(), {"num_cpus": 0})
 
 

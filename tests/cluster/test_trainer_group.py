@@ -24,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 @pytest.fixture
 def started(local_ray, tiny_checkpoint):
     """A group of two members on the local Ray cluster, told of step 1 and fed 12 samples."""
-    from fastdraft.cluster.trainer_group import TrainerGroup
+    from fastdraft.workers.trainer_group import TrainerGroup
     policy, drafter = _setup(tiny_checkpoint)
     group = TrainerGroup(_trainer_setup(policy, drafter), CFG, SpotStats(),
                          [{"num_cpus": 0}, {"num_cpus": 0}])
@@ -95,10 +95,10 @@ def test_a_killed_member_is_a_worker_failure(started):
 @pytest.mark.parametrize("source", ["engine", "actor"])
 def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy, char_drafter,
                                                                     tmp_path, source):
-    from fastdraft.cluster.trainer_group import TrainerGroup
-    from fastdraft.rl.loop import train
-    from fastdraft.rl.metrics import read_metrics
-    from fastdraft.rl.run import Run
+    from fastdraft.observability.metrics import read_metrics
+    from fastdraft.run.loop import train
+    from fastdraft.run.run import Run
+    from fastdraft.workers.trainer_group import TrainerGroup
     from tests.rl.test_drafter_resilience import ONLINE
     from tests.rl.test_loop import _cfg
     # Three groups on two workers at a batch of one group: one worker runs two waves, the

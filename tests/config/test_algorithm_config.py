@@ -42,7 +42,7 @@ def test_settings_that_act_load(overrides):
 def test_unset_options_stay_unset_and_a_dumped_config_loads_back(tmp_path):
     cfg = load_recipe(None, ["algorithm.advantage=dr_grpo"])
     assert cfg.algorithm.scale_std is None and cfg.algorithm.clip_high is None
-    assert cfg.algorithm.aggregation is None     # the preset applies in rl/objective.py
+    assert cfg.algorithm.aggregation is None     # the preset applies in algo/objective.py
     dump_config(cfg, tmp_path / "config.yaml")
     assert load_recipe(tmp_path / "config.yaml") == cfg
     assert AlgorithmConfig().gate.law_z_threshold == 6.0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fastdraft.config import load_recipe
-from fastdraft.rl.run_inputs import check_paths
+from fastdraft.run.inputs import check_paths
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -138,7 +138,7 @@ def test_a_dry_run_of_a_bootstrap_recipe_needs_its_cached_policy(tmp_path, capsy
 def test_a_cuda_recipe_planned_without_a_gpu_assumes_80_gb(monkeypatch):
     import torch
 
-    from fastdraft.rl.dry_run import node_capacity
+    from fastdraft.run.dry_run import node_capacity
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert node_capacity("cuda", None).total == 80 * 10**9
     assert node_capacity("cuda", 141).total == 141 * 10**9

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine
+from fastdraft.actor.rank import ActorSpec
+from fastdraft.algo.sequences import build_batch
 from fastdraft.config.sections import ActorConfig, AlgorithmConfig
-from fastdraft.rl.actor import Actor
-from fastdraft.rl.actor_rank import ActorSpec
-from fastdraft.rl.sequences import build_batch
+from fastdraft.workers.actor import Actor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -9,7 +9,7 @@ import torch
 
 from fastdraft import RolloutEngine, SpecConfig
 from fastdraft.config.sections import OnlineDrafterConfig
-from fastdraft.rl.online_drafter import OnlineDrafter
+from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.trainer.service import TrainerSetup
 from fastdraft.trainer.spot import SpotConfig
 from fastdraft.trainer.worker import SpotWorker

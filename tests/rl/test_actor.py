@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.actor.rank import ActorSpec
+from fastdraft.algo.logprobs import token_logprobs
+from fastdraft.algo.sequences import build_batch, micro_batches, split_across_ranks
 from fastdraft.config.sections import ActorConfig, AlgorithmConfig
 from fastdraft.models import load_model
-from fastdraft.rl.actor import Actor
-from fastdraft.rl.actor_rank import ActorSpec
-from fastdraft.rl.logprobs import token_logprobs
-from fastdraft.rl.sequences import build_batch, micro_batches, split_across_ranks
+from fastdraft.workers.actor import Actor
 
 
 def spec(path, **actor) -> ActorSpec:

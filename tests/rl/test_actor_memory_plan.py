@@ -10,14 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fastdraft.actor.memory_plan import ActorPlan, RunPlan, check_run_plan
+from fastdraft.algo.logprobs import logprobs_of, next_token_logits
 from fastdraft.bench.real_shapes import shape_config
 from fastdraft.config.sections import ActorConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import CausalLM, ModelConfig
-from fastdraft.rl.logprobs import logprobs_of, next_token_logits
-from fastdraft.rl.memory_plan import ActorPlan, RunPlan, check_run_plan
 from fastdraft.utils.device_memory import GB, Capacity
 
 BF16_8_RANKS = ActorConfig(compute_dtype="bfloat16", num_ranks=8, micro_batch_tokens=2048)
@@ -56,7 +56,7 @@ def test_actor_plan_of_a_7b_shape_over_8_ranks():
 def test_a_micro_batch_holds_at_least_one_whole_sequence():
     cfg = shape_config("qwen2.5-7b")
     short = ActorPlan.of(cfg, BF16_8_RANKS, 0.0, max_seq_len=3072)
-    assert short.shape.tokens == 3072   # rl/sequences.py: a longer row gets its own micro-batch
+    assert short.shape.tokens == 3072   # algo/sequences.py: a longer row gets its own micro-batch
     assert short.activations > ActorPlan.of(cfg, BF16_8_RANKS, 0.0, 2048).activations
 
 

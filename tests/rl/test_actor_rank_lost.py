@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fastdraft.config import load_recipe
-from fastdraft.rl.run import run_recipe
+from fastdraft.run.run import run_recipe
 from fastdraft.utils.digest import tensor_digest
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ def test_a_killed_actor_rank_resumes_from_the_last_checkpoint(char_policy, tmp_p
 
 
 def test_ranks_that_keep_dying_end_the_run_with_one_clear_error(char_policy, tmp_path):
-    from fastdraft.rl.run import ActorRanksLost
+    from fastdraft.run.run import ActorRanksLost
     run_dir = tmp_path / "run"
     watcher = _kill_rank1_after_step(run_dir, 1)
     with pytest.raises(ActorRanksLost, match=r"actor rank 1 died.*max_actor_restarts=0.*--resume"):
@@ -112,7 +112,7 @@ def test_a_death_still_on_its_way_is_seen_within_the_grace():
     the error something else (CI once saw a gloo error escape as itself)."""
     import multiprocessing
 
-    from fastdraft.rl.actor_peers import ActorPeers
+    from fastdraft.actor.peers import ActorPeers
     peers = ActorPeers.__new__(ActorPeers)   # only its processes matter here
     process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(1.0,))
     process.start()

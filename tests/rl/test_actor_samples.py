@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
+from fastdraft.actor.samples import actor_samples, row_hidden
+from fastdraft.algo.logprobs import next_token_logits_and_hidden
+from fastdraft.algo.sequences import build_batch
 from fastdraft.databuffer import DataBuffer
 from fastdraft.models import load_model
-from fastdraft.rl.actor_samples import actor_samples, row_hidden
-from fastdraft.rl.logprobs import next_token_logits_and_hidden
-from fastdraft.rl.sequences import build_batch
 from fastdraft.trainer.collector import SampleCollector
 
 AUX = (0, 1)
@@ -71,8 +71,8 @@ def test_the_actors_forward_gives_the_samples_the_engine_captures(tiny_checkpoin
 def test_a_run_trains_its_drafter_on_the_actors_samples(char_policy, char_drafter, char_eagle3,
                                                         tmp_path, kind, extra) -> None:
     from fastdraft.config import load_recipe
-    from fastdraft.rl.loop import train
-    from fastdraft.rl.run import Run
+    from fastdraft.run.loop import train
+    from fastdraft.run.run import Run
     drafter = char_drafter if kind == "eagle1" else char_eagle3
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndrafter:\n  path: {drafter}\n"

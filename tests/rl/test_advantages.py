@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fastdraft.rl.advantages import (
+from fastdraft.algo.advantages import (
     advantage_aggregation,
     advantage_defaults,
     available_advantages,

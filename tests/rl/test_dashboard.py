@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from fastdraft.rl import dashboard
-from fastdraft.rl.dashboard import dashboard_figure, draw_dashboard
+from fastdraft.observability import dashboard
+from fastdraft.observability.dashboard import dashboard_figure, draw_dashboard
 
 
 def _rows(n: int, speculative: bool) -> list[dict[str, float]]:
@@ -106,7 +106,7 @@ def test_draw_dashboard_writes_run_dir_png_and_refuses_a_speculating_reference(t
 
 
 def _timeline(steps: int) -> dict:
-    from fastdraft.cluster.timeline import Span
+    from fastdraft.observability.timeline import Span
     return {step: [Span("rollout2", "generate", 0.0, 2.0), Span("rollout2", "idle", 2.0, 3.0),
                    Span("actor", "update", 3.0, 4.0), Span("rollout0", "generate", 0.0, 3.0),
                    Span("rollout0", "train", 3.0, 4.0), Span("rollout10", "push", 4.0, 4.5)]
@@ -119,7 +119,7 @@ def _gantt(fig):
 
 def test_a_cluster_timeline_adds_a_gantt_of_the_last_4_steps_below_the_grid(tmp_path,
                                                                              monkeypatch):
-    from fastdraft.cluster.timeline import TimelineLog
+    from fastdraft.observability.timeline import TimelineLog
     figures = []
     monkeypatch.setattr(dashboard, "dashboard_figure",
                         lambda *a, **k: figures.append(dashboard_figure(*a, **k)) or figures[-1])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdraft.rl.data import load_prompts, write_jsonl
+from fastdraft.data.files import load_prompts, write_jsonl
 
 ROWS = [
     {"question": "7+3=", "target": "0", "id": 0},

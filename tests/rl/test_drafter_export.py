@@ -11,8 +11,8 @@ import torch
 
 from fastdraft.drafter import LayerLayout, build_drafter, save_drafter
 from fastdraft.drafter.layout import LAYOUT_KEY
+from fastdraft.export.run_export import export_run_drafter
 from fastdraft.models import load_model
-from fastdraft.rl.drafter_export import export_run_drafter
 from fastdraft.utils.file_digest import SUMS_FILE
 from tests.conftest import make_tiny_checkpoint
 

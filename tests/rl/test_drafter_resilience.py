@@ -15,11 +15,11 @@ import torch
 from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.rl.drafter_health import HEALTH_WINDOW
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.online_drafter import OnlineDrafter
-from fastdraft.rl.run import Run
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
+from fastdraft.trainer.drafter_health import HEALTH_WINDOW
+from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.trainer.spot import Published
 from fastdraft.utils.digest import tensor_digest
 from tests.rl.online_helpers import drive_step, eagle_engine

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.algo.gate import GateTolerance, LosslessGateError, check_gate
+from fastdraft.algo.token_stats import TokenStats, token_stats
 from fastdraft.config import load_recipe
 from fastdraft.config.sections import GateSection
-from fastdraft.rl.gate import GateTolerance, LosslessGateError, check_gate
-from fastdraft.rl.token_stats import TokenStats, token_stats
 
 FP32 = GateTolerance.for_dtypes("float32", "float32")
 BF16 = GateTolerance.for_dtypes("bfloat16", "bfloat16")
@@ -110,7 +110,7 @@ def test_one_gross_diff_fails_fp32_and_fp16_and_names_the_token():
 
 def test_bf16_passes_isolated_rounding_outliers_of_nats_and_fails_a_share_of_them():
     """A policy sharpened by RL, the same weights in bf16 and fp32, differs by up to 8 nats at
-    ~3 in 10k tokens (rl/gate.py): a bf16 gate that failed one such token stopped a healthy run.
+    ~3 in 10k tokens (algo/gate.py): a bf16 gate that failed one such token stopped a healthy run.
     More than max_share of the tokens beyond max is no rounding."""
     engine, mask, noise = _rollout()           # 96k answer tokens
     answers = mask.view(-1).nonzero()[:, 0]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.algo.gate import GateTolerance, LosslessGateError, check_gate
+from fastdraft.algo.sequences import build_batch
+from fastdraft.algo.token_stats import token_stats
 from fastdraft.engine import draws
 from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import load_model
-from fastdraft.rl.gate import GateTolerance, LosslessGateError, check_gate
-from fastdraft.rl.sequences import build_batch
-from fastdraft.rl.token_stats import token_stats
 
 PROMPTS = [[3 + i % 7, 5, 2 + i % 11] for i in range(64)]
 SPEC = SpecConfig(method="eagle", depth=3, topk=3, tokens_to_verify=6)

@@ -14,10 +14,10 @@ from fastdraft.bootstrap.run import run_bootstrap
 from fastdraft.config import load_recipe
 from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.models import load_model
-from fastdraft.rl.drafter_health import HEALTH_WINDOW
-from fastdraft.rl.loop import train
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train
+from fastdraft.run.run import Run
+from fastdraft.trainer.drafter_health import HEALTH_WINDOW
 
 pytestmark = pytest.mark.slow
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from fastdraft.algo.gate import LosslessGateError
 from fastdraft.config import load_recipe
-from fastdraft.rl.gate import LosslessGateError
-from fastdraft.rl.loop import train
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train
+from fastdraft.run.run import Run
 
 
 def _cfg(policy, *overrides):
@@ -108,7 +108,7 @@ def test_an_adaptive_run_logs_its_speculation_share_and_resumes_the_tuner(char_p
 def test_an_evaluation_rollout_feeds_no_hook(char_policy, tmp_path):
     """bench recipe's law check rolls the same step out again with other seeds: those samples
     must never reach the online drafter (its buffer refuses a second sample of a request)."""
-    from fastdraft.rl.loop import rollout
+    from fastdraft.run.loop import rollout
     run = Run(_cfg(char_policy), tmp_path / "run")
     seen = []
     run.on_finish_hooks.append(seen.append)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fastdraft.cluster.timeline import read_timeline
 from fastdraft.config import load_recipe
 from fastdraft.export.check import check_export
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import run_recipe
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.observability.timeline import read_timeline
+from fastdraft.run.run import run_recipe
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one Ray cluster at a time
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.algo.objective import Algorithm
+from fastdraft.algo.sequences import build_batch
 from fastdraft.config.sections import AlgorithmConfig
-from fastdraft.rl.objective import Algorithm
-from fastdraft.rl.sequences import build_batch
 
 NAN, INF = float("nan"), float("inf")
 

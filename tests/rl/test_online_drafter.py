@@ -9,9 +9,9 @@ import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.rl.loop import train, train_step
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train, train_step
+from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
 
 
@@ -99,7 +99,7 @@ def test_after_a_resume_per_step_counters_stay_per_step_and_totals_continue(
 
 def test_a_collapsed_drafter_falls_back_to_plain_decoding(char_policy, char_drafter):
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.rl.online_drafter import OnlineDrafter
+    from fastdraft.trainer.online_drafter import OnlineDrafter
     engine = _eagle_engine(char_policy, char_drafter)
     online = OnlineDrafter(OnlineDrafterConfig(enabled=True), engine)
     try:
@@ -130,7 +130,7 @@ def test_a_drafter_whose_checksum_does_not_match_is_not_loaded(char_policy, char
 
 def test_the_health_check_keeps_only_its_window(char_policy, char_drafter):
     """A healthy drafter over thousands of steps: no fallback, and the history stays bounded."""
-    from fastdraft.rl.drafter_health import HEALTH_WINDOW, health_check
+    from fastdraft.trainer.drafter_health import HEALTH_WINDOW, health_check
     engine = _eagle_engine(char_policy, char_drafter)
     history: list[float] = []
     for step in range(5000):
@@ -171,7 +171,7 @@ def test_an_eagle3_drafter_trains_online_in_an_rl_run(char_policy, char_eagle3, 
 def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_policy,
                                                                        char_eagle3):
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.rl.online_drafter import OnlineDrafter
+    from fastdraft.trainer.online_drafter import OnlineDrafter
     engine = _eagle_engine(char_policy, char_eagle3)
     with pytest.raises(ValueError, match=r"loss=eagle1 trains an eagle1 drafter"):
         OnlineDrafter(OnlineDrafterConfig(enabled=True, loss="eagle1"), engine)
@@ -194,7 +194,7 @@ def test_a_drafter_that_loses_on_the_held_out_rollouts_is_withheld(char_policy, 
     test_spot.py): a withheld drafter leaves the engine's in place, is no failure, and the
     next one that wins is published."""
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.rl.online_drafter import OnlineDrafter
+    from fastdraft.trainer.online_drafter import OnlineDrafter
     from fastdraft.trainer.spot import HeldOutCheck, Published
     from tests.rl.online_helpers import drive_step, eagle_engine
     engine = eagle_engine(char_policy, char_drafter)

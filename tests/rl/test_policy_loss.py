@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fastdraft.rl.policy_loss import (
+from fastdraft.algo.policy_loss import (
     PolicyBatch,
     aggregate,
     available_aggregations,

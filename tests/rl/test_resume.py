@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.actor.sharding import full_tensor
 from fastdraft.bootstrap.run import run_bootstrap
 from fastdraft.config import load_recipe
-from fastdraft.rl.loop import train
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
-from fastdraft.rl.sharding import full_tensor
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train
+from fastdraft.run.run import Run
 
 pytestmark = pytest.mark.slow
 EXACT = ("actor/loss", "actor/grad_norm", "actor/lr", "reward/mean",

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from fastdraft.rl.rewards import (
+from fastdraft.data.rewards import (
     available_rewards,
     extract_final_answer,
     get_reward,
     math_reward,
     register_reward,
 )
-from fastdraft.rl.tasks import get_task
+from fastdraft.data.tasks import get_task
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The stop decision (rl/stop.py): the first SIGTERM / SIGINT finishes the step under way when it
+"""The stop decision (run/stop.py): the first SIGTERM / SIGINT finishes the step under way when it
 and its checkpoint fit in the grace period, else abandons it at once; a second one abandons."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fastdraft.rl.stop import Interrupted, StepClock, StopRequest, stop_signal_in
+from fastdraft.run.stop import Interrupted, StepClock, StopRequest, stop_signal_in
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -75,7 +75,7 @@ def test_an_abandoned_step_kills_the_helpers_before_it_unwinds():
 
 _STOP_IN_A_FINALIZER = """
 import gc, os, signal, time
-from fastdraft.rl.stop import Interrupted, interrupt_on_sigterm
+from fastdraft.run.stop import Interrupted, interrupt_on_sigterm
 interrupt_on_sigterm()
 
 class Finalized:

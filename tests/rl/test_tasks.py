@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastdraft.bootstrap.tokenizer import DEFAULT_ALPHABET
-from fastdraft.rl.tasks import (
+from fastdraft.data.tasks import (
     Problem,
     Task,
     available_tasks,
@@ -17,7 +17,7 @@ from fastdraft.rl.tasks import (
     length_percentiles,
     register_task,
 )
-from fastdraft.rl.tasks.modsum import ModSumTask, extract_answer, make_problem
+from fastdraft.data.tasks.modsum import ModSumTask, extract_answer, make_problem
 
 NUM_SAMPLES = 5000
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.algo import token_stats as token_stats_mod
+from fastdraft.algo.token_stats import TokenStats, law_statistic, token_stats
 from fastdraft.engine.sampler import filter_top_k_top_p
-from fastdraft.rl import token_stats as token_stats_mod
-from fastdraft.rl.token_stats import TokenStats, law_statistic, token_stats
 
 
 def _direct(logits, targets, temperature, top_p=1.0, top_k=-1):

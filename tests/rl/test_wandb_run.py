@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fastdraft.rl.loop import train
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
-from fastdraft.rl.wandb_run import SUPERSEDED
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.observability.wandb_run import SUPERSEDED
+from fastdraft.run.loop import train
+from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
 from tests.rl.wandb_history import history
 

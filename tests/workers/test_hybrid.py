@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft.rl.loop import train_step
-from fastdraft.rl.run import Run
+from fastdraft.run.loop import train_step
+from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
 
 HYBRID = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
@@ -97,7 +97,7 @@ def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, c
     weights (the engines serve them: its policy version) and continues the step count."""
     from safetensors.torch import load_file
 
-    from fastdraft.rl.loop import train
+    from fastdraft.run.loop import train
     run_dir = tmp_path / "run"
     hybrid = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
               "actor.num_ranks=2"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from fastdraft.rl.loop import train
-from fastdraft.rl.metrics import read_metrics
-from fastdraft.rl.run import Run
+from fastdraft.observability.metrics import read_metrics
+from fastdraft.run.loop import train
+from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine
-from fastdraft.rl.sharding import full_tensor
+from fastdraft.actor.sharding import full_tensor
 from fastdraft.workers.hybrid import HybridWorker
 from tests.rl.test_actor import spec
 

@@ -5,28 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdraft.config.sections.common import require as _require
-from fastdraft.errors import FastdraftError
-from fastdraft.rl.advantages import (
+from fastdraft.algo.advantages import (
     advantage_aggregation,
     advantage_defaults,
     available_advantages,
 )
-from fastdraft.rl.policy_loss import (
+from fastdraft.algo.policy_loss import (
     available_aggregations,
     available_policy_losses,
     policy_loss_defaults,
 )
+from fastdraft.config.sections.common import require as _require
+from fastdraft.errors import FastdraftError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GateSection:
-    """algorithm.gate: the lossless gate (rl/gate.py), checked every step before any weight
+    """algorithm.gate: the lossless gate (algo/gate.py), checked every step before any weight
     moves. Limits on |actor - engine| logprob per sampled token: mean_tolerance (their mean),
     quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (a gross token) and
     max_share (the share of tokens that may exceed it: 0 in fp32 and fp16, where one gross token
     fails; 1e-3 in bf16, whose rounding reaches nats at rare tokens); None: from the coarser of
-    model.dtype and actor.compute_dtype (rl/gate.py DTYPE_TOLERANCE). law_z_threshold: |z| of
+    model.dtype and actor.compute_dtype (algo/gate.py DTYPE_TOLERANCE). law_z_threshold: |z| of
     the law statistic beyond which the rollout counts as not sampled from the policy (6: a
     false alarm ~2e-9 a step; None: no law check), judged from law_min_tokens sampled
     tokens on."""
@@ -61,7 +61,7 @@ _OPTION_OWNERS = {"scale_std": "advantage", "clip_high": "loss"}   # field -> it
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
-    """advantage / loss: registered names (fastdraft/rl/advantages.py: grpo, dr_grpo, rloo;
+    """advantage / loss: registered names (fastdraft/algo/advantages.py: grpo, dr_grpo, rloo;
     policy_loss.py: grpo, dapo). Options, each an error where it would do nothing:
     scale_std (advantage grpo only; None: true): divide by the group's std. false removes only
     the division; Dr. GRPO is `advantage: dr_grpo`, which also sets the length-unbiased

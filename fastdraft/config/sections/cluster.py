@@ -51,7 +51,7 @@ class ClusterConfig:
     drafter_training (ray, online drafter): one (a trainer on the last worker's bundle, fed
     by every worker, promoted when the first worker goes idle) or data_parallel (a member on
     every worker's bundle; the idle workers' members train together, gradients all-reduced:
-    cluster/trainer_group.py)."""
+    workers/trainer_group.py)."""
 
     backend: str = "local"
     rollout_workers: int = 1

@@ -28,7 +28,7 @@ class OnlineDrafterConfig:
     samples come from: auto (engine where the rollout engine can capture: fastdraft's; actor
     with vLLM), engine (the rollout engine captures them as requests finish, so the
     rollout's own tail trains on them) or actor (the actor's update forward over the rollout
-    yields them, rl/actor_samples.py: no capture in the engine, a forward of its own for the
+    yields them, actor/samples.py: no capture in the engine, a forward of its own for the
     rows the update leaves out, the tail trains on the previous step's); refresh: every_step
     (publish after each step) or on_drop (only once the measured accept length fell by
     refresh_drop below the last published drafter's first step).

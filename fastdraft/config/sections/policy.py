@@ -54,17 +54,17 @@ class DataConfig:
                  "parquet / JSONL file)")
         _require(isinstance(self.task_options, dict), "data.task_options must be a mapping of "
                  f"the task's options (e.g. max_terms: 40), got {self.task_options!r}")
-        from fastdraft.rl.rewards import available_rewards
+        from fastdraft.data.rewards import available_rewards
         _require(self.reward in available_rewards(), f"data.reward: unknown reward "
                  f"{self.reward!r}: choose one of {available_rewards()} (or register yours with "
-                 "fastdraft.rl.rewards.register_reward)")
+                 "fastdraft.data.rewards.register_reward)")
         if self.task is None:
             _require(not self.task_options and self.task_pool is None,
                      "data.task_options and data.task_pool belong to data.task: with data.path "
                      "they would be ignored; remove them (from the command line: "
                      "data.task_options=null data.task_pool=null)")
         else:   # an unknown task or option fails when the recipe loads, not after a bootstrap
-            from fastdraft.rl.tasks import get_task
+            from fastdraft.data.tasks import get_task
             try:
                 get_task(self.task, **self.task_options)
             except ValueError as err:

@@ -1,0 +1,343 @@
+"""The actor's memory plan per rank, and the run's: the engine and the actor's rank 0 share
+model.device, ranks 1.. have a device each; checked before anything is loaded.
+
+Per rank (ActorPlan), for FSDP2 over num_ranks ranks (actor/sharding.py):
+- state, for the whole run: fp32 master weights and AdamW's two fp32 moments, 1/num_ranks each;
+  with kl_coef > 0 the frozen reference's shard, stored in the compute dtype;
+- the update's transient: fp32 gradient shards; the all-gathered parameters in compute dtype
+  (the root unit, embedding + norm + lm_head, stays gathered through forward and backward
+  with its unsharded gradient; a decoder layer and the prefetched next one; one layer's fp32
+  gradient for the reduce-scatter); the activations autograd saves over one micro-batch
+  (per layer and token, as measured in the tests: the norms' fp32 input and normed output,
+  QK-norm's, q/k/v and the attention output, the MLP's gate, up, their SiLU and product); the logits
+  [tokens, vocab]: in compute dtype (kept for the gate's statistics) and the fp32 logits / T
+  the loss saves, then either the backward's three fp32 temporaries (exp, the gradient, its
+  scatter) or the reference's forward (its gathered root and layers, its logits and their fp32
+  copies), whichever is larger: the reference runs after the forward, before the backward;
+- the weight push (and a checkpoint's gather): every rank all-gathers one full fp32 parameter
+  at a time (the largest: the embedding); gradients are freed by then.
+A micro-batch holds micro_batch_tokens tokens, or one whole row when a row is longer
+(algo/sequences.py): tokens = max(micro_batch_tokens, the longest sequence).
+Host (rank 0): a checkpoint gathers the full fp32 masters and both AdamW moments there (12
+bytes a parameter) and writes them in the background; loading reads the checkpoint in fp32 (4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fastdraft.engine.memory_plan import EnginePlan, largest_fitting
+from fastdraft.errors import FastdraftError
+from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.utils.device_memory import gb
+
+if TYPE_CHECKING:
+    from fastdraft.config.sections import ActorConfig
+
+_FP32 = 4
+_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_RANKS = 1024   # the most ranks a refusal suggests
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorShape:
+    """What the actor's memory depends on; the parameter counts come from the model built on
+    the meta device (ActorPlan.of)."""
+
+    config: ModelConfig
+    num_ranks: int
+    compute_dtype: str
+    micro_batch_tokens: int
+    max_seq_len: int = 0
+    kl: bool = False
+    checkpointing: bool = False
+    num_params: int
+    root_params: int        # embedding, final norm, lm_head (one matrix when tied)
+    layer_params: int       # one decoder layer
+    largest_param: int
+
+    @property
+    def sharded(self) -> bool:   # actor/rank.py: ActorSpec.sharded
+        return self.num_ranks > 1 or self.compute_dtype != "float32"
+
+    @property
+    def tokens(self) -> int:
+        return max(self.micro_batch_tokens, self.max_seq_len)
+
+    def plan(self) -> ActorPlan:
+        cfg, c, ranks, tokens = self.config, _WIDTH[self.compute_dtype], self.num_ranks, self.tokens
+        shard = -(-self.num_params // ranks)
+        gathered = (c * (2 * self.root_params + 2 * self.layer_params)
+                    + _FP32 * self.layer_params) if self.sharded else 0
+        vocab_row = tokens * cfg.vocab_size
+        reference_forward = (c * (self.root_params + 2 * self.layer_params)
+                             + vocab_row * (c + 2 * _FP32)) if self.kl else 0
+        return ActorPlan(
+            shape=self, masters=_FP32 * shard, optimizer=2 * _FP32 * shard,
+            reference=(c if self.sharded else _FP32) * shard if self.kl else 0,
+            grads=_FP32 * shard, gathered=gathered,
+            activations=tokens * (self._saved_per_token(c)
+                                  + (_FP32 + 2 * c) * cfg.hidden_size),   # + the final norm
+            logits=vocab_row * (c + _FP32),
+            logits_backward=max(vocab_row * 3 * _FP32, reference_forward),
+            push=_FP32 * self.largest_param, host=3 * _FP32 * self.num_params)
+
+
+    def _saved_per_token(self, c: int) -> int:
+        """What the decoder layers keep for the backward per token: every layer's activations,
+        or with activation checkpointing each layer's input plus one layer's activations (the
+        layer being recomputed)."""
+        layer, layers = _layer_activation(self.config, c), self.config.num_hidden_layers
+        if not self.checkpointing:
+            return layers * layer
+        return layers * c * self.config.hidden_size + layer
+
+
+def _layer_activation(cfg: ModelConfig, c: int) -> int:
+    """Bytes autograd saves per token in one decoder layer computing in c-byte floats
+    (measured with saved-tensor hooks in tests/rl/test_actor_memory_plan.py). An RMSNorm keeps its
+    fp32 input (the input itself, or its fp32 copy) and the normalised values; a layer norm's
+    output is kept by the linear that reads it (QK-norm's goes to the rotation, which keeps
+    nothing per token); attention keeps q, k, v, its output and its logsumexp (fp32 per head);
+    the MLP its gate, up, their SiLU and product."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    norms = 2 * (_FP32 + 2 * c) * cfg.hidden_size
+    qk_norm = (_FP32 + c) * (q + kv) if cfg.qk_norm else 0
+    attention = c * (2 * q + 2 * kv) + _FP32 * cfg.num_attention_heads
+    return norms + qk_norm + attention + 4 * c * cfg.intermediate_size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActorPlan:
+    """Bytes per rank (see the module docstring); host: rank 0's host memory."""
+
+    shape: ActorShape = field(repr=False, compare=False)
+    masters: int
+    optimizer: int
+    reference: int
+    grads: int
+    gathered: int
+    activations: int
+    logits: int
+    logits_backward: int
+    push: int
+    host: int
+
+    @classmethod
+    def of(cls, model_config: ModelConfig, actor_cfg: ActorConfig, kl_coef: float,
+           max_seq_len: int = 0) -> ActorPlan:
+        with torch.device("meta"):   # shapes only
+            model = CausalLM(model_config, 2)
+        params = list(model.parameters())
+        layer = sum(p.numel() for p in model.model.layers[0].parameters())
+        total = sum(p.numel() for p in params)
+        return ActorShape(
+            config=model_config, num_ranks=actor_cfg.num_ranks,
+            compute_dtype=actor_cfg.compute_dtype,
+            micro_batch_tokens=actor_cfg.micro_batch_tokens, max_seq_len=max_seq_len,
+            kl=kl_coef > 0, checkpointing=actor_cfg.activation_checkpointing, num_params=total,
+            root_params=total - model_config.num_hidden_layers * layer, layer_params=layer,
+            largest_param=max(p.numel() for p in params)).plan()
+
+    @property
+    def state(self) -> int:
+        """Held for the whole run, rollouts included."""
+        return self.masters + self.optimizer + self.reference
+
+    @property
+    def transient(self) -> int:
+        """The larger of an update's peak and a weight push's."""
+        update = (self.grads + self.gathered + self.activations + self.logits
+                  + self.logits_backward)
+        return max(update, self.push)
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return self.state + self.transient
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host
+
+    def with_ranks(self, num_ranks: int) -> ActorPlan:
+        return replace(self.shape, num_ranks=num_ranks).plan()
+
+    def with_tokens(self, micro_batch_tokens: int) -> ActorPlan:
+        return replace(self.shape, micro_batch_tokens=micro_batch_tokens).plan()
+
+    def with_seq_len(self, max_seq_len: int) -> ActorPlan:
+        return replace(self.shape, max_seq_len=max_seq_len).plan()
+
+    def lines(self) -> list[str]:
+        s = self.shape
+        size = (f"{s.num_params / 1e9:.2f}B" if s.num_params >= 1e9
+                else f"{s.num_params / 1e6:.1f}M")
+        head = (f"actor memory plan ({size} parameters, {s.num_ranks} rank(s), "
+                f"{s.compute_dtype} compute, {s.tokens} tokens a micro-batch): "
+                f"{gb(self.per_rank_bytes)} a rank, {gb(self.host)} on rank 0's host")
+        state = [f"masters {gb(self.masters)}", f"AdamW {gb(self.optimizer)}"]
+        if self.reference:
+            state.append(f"reference {gb(self.reference)}")
+        update = [f"grads {gb(self.grads)}", f"gathered {gb(self.gathered)}",
+                  f"activations {gb(self.activations)}",
+                  f"logits {gb(self.logits)} + {gb(self.logits_backward)}"]
+        return [head, "  state: " + " | ".join(state),
+                "  update: " + " | ".join(update) + f" (weight push {gb(self.push)})"]
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.shape
+        return {"num_params": s.num_params, "num_ranks": s.num_ranks,
+                "compute_dtype": s.compute_dtype, "tokens": s.tokens,
+                **{name: getattr(self, name) for name in (
+                    "masters", "optimizer", "reference", "grads", "gathered", "activations",
+                    "logits", "logits_backward", "push", "host", "state", "transient",
+                    "per_rank_bytes")}}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunPlan:
+    """The engine and the actor on one node: device 0 (model.device) holds the engine and the
+    actor's rank 0, devices 1.. a rank each; hybrid (cluster.placement=hybrid): every device
+    holds an engine replica and an actor rank, and on a GPU the engine gives back its KV cache
+    for the update (workers/hybrid.py), so the cache and the update's transient never add up.
+    On the CPU every rank and the host share RAM."""
+
+    engine: EnginePlan
+    actor: ActorPlan
+    hybrid: bool = False
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.engine.shape.device == "cpu"
+
+    @property
+    def device0_bytes(self) -> int:
+        """The engine's transient steps and the actor's update never overlap (rollout, then
+        update) and share one allocator's cache, so the larger of the two counts. Hybrid: any
+        device's (on the CPU: the RAM's, every worker in it)."""
+        engine, actor = self.engine, self.actor
+        if self.hybrid and self.on_cpu:   # every worker in one RAM, the KV cache kept
+            ranks = actor.shape.num_ranks
+            return (ranks * (engine.resident + actor.state) + actor.host
+                    + ranks * max(engine.step_scratch, actor.transient))
+        if self.hybrid:   # every device the same; the KV cache released while the actor updates
+            return (engine.resident - engine.kv_cache + actor.state
+                    + max(engine.kv_cache + engine.step_scratch, actor.transient))
+        if self.on_cpu:   # every rank's process and rank 0's checkpoint snapshot in one RAM
+            ranks = actor.shape.num_ranks
+            return (engine.resident + ranks * actor.state + actor.host
+                    + max(engine.step_scratch, ranks * actor.transient))
+        return engine.resident + actor.state + max(engine.step_scratch, actor.transient)
+
+    def fits(self, capacity_bytes: int, device0: bool = True) -> bool:
+        """Device 0 (device0=True) and every other rank's device within capacity_bytes."""
+        others = (self.on_cpu or self.hybrid or self.actor.shape.num_ranks == 1
+                  or self.actor.per_rank_bytes <= capacity_bytes)
+        return others and (not device0 or self.device0_bytes <= capacity_bytes)
+
+    def replan(self, *, slots: int | None = None, seq_len: int | None = None,
+               tokens: int | None = None, ranks: int | None = None) -> RunPlan:
+        """The plan with rollout.max_batch_size, rollout.max_seq_len, actor.micro_batch_tokens
+        or actor.num_ranks changed."""
+        engine, actor = self.engine, self.actor
+        if slots is not None:
+            engine = engine.with_slots(slots)
+        if seq_len is not None:
+            engine, actor = engine.with_seq_len(seq_len), actor.with_seq_len(seq_len)
+        if tokens is not None:
+            actor = actor.with_tokens(tokens)
+        if ranks is not None:
+            actor = actor.with_ranks(ranks)
+        return replace(self, engine=engine, actor=actor)
+
+    @property
+    def engine_reserve(self) -> int:
+        """What the engine must leave free on its device for the actor (RolloutEngine's
+        memory_reserve): device0_bytes less the engine's own plan."""
+        return self.device0_bytes - self.engine.total
+
+    def lines(self, device_bytes: int) -> list[str]:
+        ranks = self.actor.shape.num_ranks
+        if self.hybrid:
+            if self.on_cpu:
+                return [f"run memory plan ({ranks} hybrid workers, one RAM, {gb(device_bytes)} "
+                        f"usable): {ranks} x (engine replica + actor rank) + rank 0's "
+                        f"checkpoint snapshot {gb(self.device0_bytes)}"]
+            return [f"run memory plan ({ranks} hybrid workers, {ranks} devices of "
+                    f"{gb(device_bytes)} usable): every device rolls out: engine replica + "
+                    f"actor rank {gb(self.device0_bytes)} each (KV cache "
+                    f"{gb(self.engine.kv_cache)} released for the update)"]
+        if self.on_cpu:
+            return [f"run memory plan (one RAM, {gb(device_bytes)} usable): engine + {ranks} "
+                    f"actor rank(s) + rank 0's checkpoint snapshot {gb(self.device0_bytes)}"]
+        head = (f"run memory plan ({ranks} devices of {gb(device_bytes)} usable): device 0 "
+                f"(engine + actor rank 0) {gb(self.device0_bytes)}")
+        if ranks > 1:
+            head += f", devices 1..{ranks - 1} {gb(self.actor.per_rank_bytes)} each"
+        return [head]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine.as_dict(), "actor": self.actor.as_dict(),
+                "hybrid": self.hybrid, "device0_bytes": self.device0_bytes,
+                "engine_reserve": self.engine_reserve}
+
+
+def check_run_plan(engine_plan: EnginePlan, actor_plan: ActorPlan,
+                   device_capacity_bytes: int, hybrid: bool = False) -> None:
+    """Refuses a run whose device 0 (engine + actor rank 0) or another rank's device needs more
+    than device_capacity_bytes (usable bytes of one device; on the CPU: of the RAM), naming
+    each setting that would make it fit on its own (or two together when none does alone)."""
+    plan = RunPlan(engine=engine_plan, actor=actor_plan, hybrid=hybrid)
+    cap = device_capacity_bytes
+    if plan.fits(cap):
+        return
+    over = []
+    if plan.device0_bytes > cap:
+        where = ("the RAM" if plan.on_cpu else "each device (an engine replica and an actor "
+                 "rank)" if plan.hybrid else "device 0 (the engine and the actor's rank 0)")
+        over.append(f"{gb(plan.device0_bytes)} on {where}")
+    if not plan.fits(cap, device0=False):
+        over.append(f"{gb(actor_plan.per_rank_bytes)} on each other rank's device")
+    raise FastdraftError(f"the run's memory plan needs {' and '.join(over)}, more than the "
+                         f"{gb(cap)} usable on a device (engine {gb(engine_plan.total)}, of it "
+                         f"KV cache {gb(engine_plan.kv_cache)}; actor "
+                         f"{gb(actor_plan.per_rank_bytes)} a rank, activations "
+                         f"{gb(actor_plan.activations)}). " + _fixes(plan, cap))
+
+
+def _fixes(plan: RunPlan, cap: int) -> str:
+    engine, actor = plan.engine.shape, plan.actor.shape
+
+    def ok(p: RunPlan) -> bool:
+        return p.fits(cap)
+
+    single = []
+    if slots := largest_fitting(1, engine.num_slots, lambda n: ok(plan.replan(slots=n))):
+        single.append(f"lower rollout.max_batch_size to <= {slots}")
+    if seq := largest_fitting(2, engine.envelope.max_seq_len,
+                              lambda t: ok(plan.replan(seq_len=t))):
+        single.append(f"lower rollout.max_seq_len (prompt + rollout.max_new_tokens) to <= {seq}")
+    if tokens := largest_fitting(1, actor.micro_batch_tokens,
+                                 lambda t: ok(plan.replan(tokens=t))):
+        single.append(f"lower actor.micro_batch_tokens to <= {max(tokens, actor.max_seq_len)}")
+    if not plan.on_cpu:   # more ranks: smaller shards (on the CPU they share the RAM)
+        ranks = next((r for r in range(actor.num_ranks + 1, MAX_RANKS + 1)
+                      if ok(plan.replan(ranks=r))), 0)
+        if ranks:
+            single.append(f"raise actor.num_ranks to >= {ranks}")
+    if single:
+        return "Any one of these fits: " + "; or ".join(single)
+    # None alone: the micro-batch down to one longest sequence, and then the slots or the length.
+    floor = plan.replan(tokens=min(actor.micro_batch_tokens, actor.max_seq_len or 1))
+    if slots := largest_fitting(1, engine.num_slots, lambda n: ok(floor.replan(slots=n))):
+        return (f"Together: lower actor.micro_batch_tokens to {actor.max_seq_len} (one longest "
+                f"sequence) and rollout.max_batch_size to <= {slots}")
+    if seq := largest_fitting(2, engine.envelope.max_seq_len,
+                              lambda t: ok(plan.replan(seq_len=t, tokens=t))):
+        return (f"Together: lower rollout.max_seq_len (prompt + rollout.max_new_tokens) and "
+                f"actor.micro_batch_tokens to <= {seq}")
+    return ("Nothing the recipe sets makes it fit: use devices with more memory or a smaller "
+            "model")

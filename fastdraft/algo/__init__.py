@@ -1,0 +1,2 @@
+"""GRPO / RLOO / DAPO maths: advantages, the policy loss and objective, the lossless gate, token
+statistics."""

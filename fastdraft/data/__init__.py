@@ -1,0 +1,1 @@
+"""Prompts, dataset files and their row checks, rewards, tasks."""

@@ -1,0 +1,1 @@
+"""metrics.jsonl, wandb, the dashboard and the workers' timeline."""

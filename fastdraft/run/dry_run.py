@@ -1,0 +1,94 @@
+"""`fastdraft run RECIPE --dry-run`: the checks a run makes before its first step
+(run/preflight.py, the same function), and the memory plans of its engine, its actor and the
+whole run printed for a node of actor.num_ranks devices: exit 0 if all pass, an error naming
+what to change if not. Of the checkpoints it reads config.json, the tokenizer, the weight files'
+headers and drafter_config.json: no weights, no engine, no bootstrap training (a bootstrap
+policy is planned from its cached checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fastdraft.actor.memory_plan import ActorPlan, RunPlan
+from fastdraft.config import RunConfig
+from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.memory_plan import DrafterShape, plan_engine
+from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.errors import FastdraftError
+from fastdraft.models import ModelConfig
+from fastdraft.trainer.online_drafter import trainer_aux_layers
+from fastdraft.utils.device_memory import GB, Capacity, host_memory
+
+#: A CUDA recipe planned where no GPU is visible: a node of 80 GB devices (A100 / H100).
+DEFAULT_GPU_GB = 80.0
+
+
+def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
+             max_seq_len: int) -> RunPlan:
+    """The plan of the engine and actor a Run builds from cfg: policy_dir's config.json,
+    drafter_dir's drafter_config.json (None: a drafter the run warms up, of drafter.kind)."""
+    model_config = ModelConfig.from_pretrained(policy_dir)
+    spec = cfg.rollout.spec
+    tuner = (cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)
+             if cfg.rollout.tuner.enabled else None)
+    drafter = _drafter_shape(cfg, drafter_dir)
+    engine = plan_engine(
+        model_config, envelope=Envelope.for_spec(max_seq_len, spec, tuner.arms if tuner else ()),
+        num_slots=cfg.rollout.max_batch_size, dtype=getattr(torch, cfg.model.dtype),
+        device=cfg.model.device, spec=spec, drafter=drafter,
+        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
+        graphs=cfg.rollout.graphs, kv_block_size=cfg.rollout.kv_block_size,
+        kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
+                               getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
+    actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)
+    return RunPlan(engine=engine, actor=actor, hybrid=cfg.cluster.placement == "hybrid")
+
+
+def node_capacity(device: str, device_gb: float | None) -> Capacity:
+    """One device of the node: device_gb decimal GB each; else this machine's GPU (its whole
+    memory) for a CUDA recipe, DEFAULT_GPU_GB where none is visible, the RAM for a CPU one."""
+    name = str(torch.device(device))
+    if device_gb is not None:
+        if device_gb <= 0:
+            raise FastdraftError(f"--device-memory-gb must be > 0, got {device_gb}")
+        return Capacity.of(name, int(device_gb * GB))
+    if torch.device(device).type != "cuda":
+        total, available = host_memory()
+        return Capacity.of(name, total, available)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        return Capacity.of(name, props.total_memory)
+    return Capacity.of(name, int(DEFAULT_GPU_GB * GB))
+
+
+def dry_run(cfg: RunConfig, device_gb: float | None = None, json_path: Path | None = None,
+            cache_dir: Path | None = None) -> int:
+    """Every check the run makes before its first step (run/preflight.py), the plans printed
+    (and written to json_path); raises a user error at the first that fails."""
+    from fastdraft.run.preflight import preflight
+    capacity = node_capacity(cfg.model.device, device_gb)
+    plan = preflight(cfg, capacity, cache_dir, dry=True).plan
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"recipe": cfg.name, "device_bytes": capacity.total,
+                                         "usable_bytes": capacity.usable, **plan.as_dict()},
+                                        indent=2))
+    print(f"dry run: {cfg.name} fits (inputs checked, no weights loaded)")
+    return 0
+
+
+def _drafter_shape(cfg: RunConfig, drafter_dir: Path | None) -> DrafterShape | None:
+    """drafter.path's kind and draft vocabulary; a bootstrap policy's drafter is warmed up by
+    the run with drafter.kind over every token."""
+    if not cfg.rollout.spec.uses_drafter:
+        return None
+    if drafter_dir is None:
+        return DrafterShape(kind=cfg.drafter.kind)
+    shape = DrafterShape.read(drafter_dir)
+    if shape is None:
+        raise FileNotFoundError(f"drafter.path {drafter_dir}: no drafter_config.json there; "
+                                "point it at a directory written by `fastdraft drafter warmup`")
+    return shape

@@ -1,0 +1,391 @@
+"""A GRPO run assembled from its config (its inputs resolved by run/inputs.py): the policy
+and its drafter, the rollout engine, the actor, the algorithm, the prompts, the metrics, the
+checkpoints; resumed from the newest complete checkpoint when asked. run/loop.py drives it."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdraft.actor.rank import ActorSpec
+from fastdraft.algo.gate import GateTolerance
+from fastdraft.algo.objective import Algorithm
+from fastdraft.backends import build_rollout
+from fastdraft.checkpoint import CheckpointManager, TrainState
+from fastdraft.checkpoint.layout import MODEL_DIR, validate
+from fastdraft.checkpoint.state import RngState
+from fastdraft.config import RunConfig, dump_config
+from fastdraft.config.recipe import config_dict
+from fastdraft.drafter import save_drafter
+from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.errors import FastdraftError, Place
+from fastdraft.models import ModelConfig
+from fastdraft.observability.dashboard import draw_dashboard
+from fastdraft.observability.metrics import MetricsLogger
+from fastdraft.observability.timeline import Span, TimelineLog, spans_metrics
+from fastdraft.run.preflight import preflight
+from fastdraft.run.resume_check import check_resume_config
+from fastdraft.run.stop import RunStopped, StepClock, stop_signal_in
+from fastdraft.trainer.fixed_drafter import FixedDrafter
+from fastdraft.trainer.online_drafter import OnlineDrafter, trainer_aux_layers
+from fastdraft.utils.atomic import atomic_write_text
+from fastdraft.workers.actor import Actor
+from fastdraft.workers.ranks import ActorRanks, LocalRanks
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Run:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False,
+                 cache_dir: Path | None = None, resume_force: bool = False) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.clock = StepClock()   # the step and checkpoint times a stop signal is judged by
+        self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
+        latest = self.checkpoints.latest(digests=True) if resume else None
+        if resume and latest is None:
+            raise FastdraftError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'};"
+                                 " start a new run without --resume")
+        if not resume and (run_dir / "checkpoints").is_dir() and self.checkpoints.latest():
+            raise FastdraftError(f"{run_dir} already holds a run: pass --resume to continue it, "
+                                 "or choose another --run-dir")
+        if latest is not None:   # before anything is written: a refused resume changes nothing
+            check_resume_config(latest, config_dict(cfg), resume_force)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        # Every check before the first step (the dry run's too), the bootstrap policy and its
+        # drafter resolved, the memory plan checked before any allocation.
+        inputs = preflight(cfg, None, cache_dir, Place(run_dir, "--run-dir"))
+        self.policy_dir, self.tokenizer, self.prompts = (inputs.policy_dir, inputs.tokenizer,
+                                                         inputs.prompts)
+        drafter_dir, max_seq_len = inputs.drafter_dir, inputs.max_seq_len
+        self.memory_plan = inputs.plan
+        atomic_write_text(run_dir / "memory_plan.json",
+                          json.dumps(self.memory_plan.as_dict(), indent=1))
+        # The actor scores every position the engine can sample at (its rotary table too); a
+        # resumed one starts from the checkpoint's fp32 masters.
+        actor_spec = ActorSpec(
+            policy_dir=self.policy_dir if latest is None else latest / MODEL_DIR,
+            reference_dir=self.policy_dir,
+            actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_seq_len,
+            device=cfg.model.device, num_steps=cfg.algorithm.num_steps)
+        make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
+                              self.memory_plan.engine_reserve)
+        self.engine = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir, run_dir,
+                                    max_seq_len, actor=actor_spec)
+        # The checkpoint's state (the RNGs come back here, after the engine's build).
+        loaded = self.checkpoints.load(latest) if latest is not None else None
+        self.hybrid = cfg.cluster.placement == "hybrid"   # the workers hold the actor's ranks
+        self.actor = Actor(replace(actor_spec, device=_actor_device(cfg, self.engine)),
+                           ranks=_actor_ranks(cfg, self.engine))
+        if self.hybrid:
+            self.checkpoints.pending_elsewhere = self.actor.ranks.wait_checkpoint
+        self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
+                                   max_tokens=cfg.rollout.max_new_tokens)
+        # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
+        self.gate_tolerance = GateTolerance.for_dtypes(cfg.model.dtype, cfg.actor.compute_dtype,
+                                                       cfg.algorithm.gate)
+        self.start_step = 0
+        drafter_resume = None
+        if loaded is not None:
+            self.actor.load_training_state({"optimizer": loaded.optimizer,
+                                            "scheduler": loaded.scheduler,
+                                            "loss_scale": loaded.extra.get("loss_scale")})
+            self.start_step = loaded.step
+            self.push_weights(version=loaded.step)
+            self.engine.load_state_dict(loaded.extra["engine"])
+            # The drafter the run served (and trained), its trainer, its health: put back by
+            # OnlineDrafter / FixedDrafter below.
+            drafter_resume = loaded.drafter
+            print(f"resumed from {latest} (step {loaded.step})")
+        self.logger = MetricsLogger(run_dir, cfg.logging, config_dict(cfg), cfg.name,
+                                    cfg.algorithm.num_steps, self.start_step)
+        # Each rollout worker's states per step (cluster_timeline.jsonl: the dashboard's Gantt).
+        self.timeline = None if cfg.cluster.backend == "local" else TimelineLog(
+            run_dir, self.start_step)
+        # Callbacks on every finished rollout (the online drafter trainer listens here).
+        self.drafter: OnlineDrafter | FixedDrafter = (
+            OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume,
+                          **_trainer_placement(cfg, self.engine))
+            if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
+        self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
+        if self.timeline is not None and isinstance(self.drafter, OnlineDrafter):
+            self.engine.idle_hook = self.drafter.on_worker_idle   # idle workers' time trains it
+        self.last_checkpoint_s = 0.0
+        self.saved_step = self.start_step   # the step of the newest checkpoint of this run
+        # Written once the run is built: a refused or failed start leaves the last one as it was.
+        dump_config(cfg, run_dir / "config.yaml")
+
+    def push_weights(self, version: int | None = None) -> int:
+        """The actor's weights into the rollout engine(s): hybrid workers each load their own
+        from the shards on the device; otherwise streamed from this process's gather. Returns
+        the engine's new policy version."""
+        if self.hybrid:
+            return self.engine.sync_weights(version)
+        return self.engine.load_weights(self.actor.full_parameters(), version)
+
+    def on_finish(self, completion: Completion) -> None:
+        for hook in self.on_finish_hooks:
+            hook(completion)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def rollout_metrics(self, completions: list[Completion], rewards: list[float]
+                        ) -> dict[str, float]:
+        trace, stats = self.engine.last_trace, self.engine.last_stats
+        lengths = [len(c.token_ids) for c in completions]
+        mean = sum(rewards) / len(rewards)
+        out = {"reward/mean": mean,
+               "reward/std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+               "rollout/time_s": trace.time_s, "rollout/tail_time_s": trace.tail_time_s(),
+               "rollout/tokens_per_s": sum(lengths) / max(trace.time_s, 1e-9),
+               "rollout/response_len_mean": sum(lengths) / len(lengths),
+               "rollout/response_len_max": float(max(lengths)),
+               # prompt tokens prefilled, and of them computed (a group's prompt once)
+               "rollout/prefill_tokens": float(trace.prefill_tokens),
+               "rollout/prefill_computed_tokens": float(trace.prefill_computed),
+               # requests whose KV blocks ran out and were recomputed (engine/paged_kv.py)
+               "rollout/preemptions": float(trace.preemptions)}
+        if self.engine.spec.enabled:   # not after a health fallback
+            out.update(stats.as_metrics())
+            out["rollout/sd_fraction"] = trace.sd_fraction
+            out["drafter/version"] = float(self.engine.drafter_version or 0)
+        return out
+
+    def cluster_metrics(self, step: int, laps: dict[str, float]) -> dict[str, float]:
+        """A Ray run's per-worker seconds generating / idle this step (and the weight push),
+        its timeline line written; {} for a local run. laps: the step's phase seconds."""
+        if self.timeline is None:
+            return {}
+        update_start = laps["rollout"] + laps["reward"]
+        push_start = update_start + laps["update"]
+        updaters = self.engine.worker_names if self.hybrid else ["actor"]
+        spans = [*self.engine.last_spans,
+                 *(Span(w, "update", update_start, push_start) for w in updaters),
+                 *(Span(w, "push", push_start, push_start + laps["push"])
+                   for w in self.engine.worker_names)]
+        self.timeline.log(step, spans)
+        return {**spans_metrics(spans, self.engine.worker_names),
+                "cluster/push_s": self.engine.last_push_s,
+                "cluster/worker_restarts": float(self.engine.restarts),
+                "cluster/rerun_requests": float(self.engine.reruns),
+                "cluster/migrated_requests": float(self.engine.last_migrated),
+                # colocated placement: what the workers gave back for the actor's update
+                "cluster/released_mb": self.engine.last_released_bytes / 2**20}
+
+    def save_checkpoint(self, step: int) -> None:
+        start = time.perf_counter()
+        if self.hybrid:   # worker 0 writes it: the weights never come to this process
+            _, previous = self.actor.ranks.save_checkpoint(
+                str(self.checkpoints.root), self.cfg.checkpoint.keep, step,
+                {"config": config_dict(self.cfg), "drafter": self._drafter_state(),
+                 "extra": {"engine": self.engine.state_dict()}, "rng": RngState.capture()})
+            self.last_checkpoint_s = time.perf_counter() - start
+            self.clock.checkpoint_s = self.last_checkpoint_s + previous
+            self.saved_step = step
+            return
+        with self.actor.full_state() as (model, training):
+            self.checkpoints.save(step, TrainState(
+                model=model, optimizer=training["optimizer"], scheduler=training["scheduler"],
+                step=step, config=config_dict(self.cfg), drafter=self._drafter_state(),
+                extra={"engine": self.engine.state_dict(),
+                       "loss_scale": training["loss_scale"]}))
+        self.last_checkpoint_s = time.perf_counter() - start
+        self.clock.checkpoint_s = self.last_checkpoint_s + self.checkpoints.last_write_s
+        self.saved_step = step
+
+    def stop(self, step: int, signum: int) -> None:
+        """Ends the run after `step` steps on a stop signal: a checkpoint of it (unless the loop
+        just wrote one) on disk, the helpers closed; raises RunStopped."""
+        if self.saved_step != step:
+            self.save_checkpoint(step)
+        self._close_helpers()
+        self.logger.close()
+        raise RunStopped(step, signum, self.run_dir)
+
+    def abandon(self, signum: int) -> None:
+        """Ends the run at once on a stop signal (the step under way dropped): the helpers closed,
+        a checkpoint write under way finished; raises RunStopped naming the newest checkpoint."""
+        self.close_after_failure()   # the helpers have nothing to save: the checkpoint has it
+        latest = self.checkpoints.latest()
+        step = validate(latest) if latest is not None else 0
+        raise RunStopped(step, signum, self.run_dir, abandoned=True)
+
+    def close_after_failure(self) -> None:
+        """The helpers ended after an error (raised by the caller); a failure while closing is
+        printed, not raised over the error that matters."""
+        try:
+            self._close_helpers(timeout_s=2.0)
+            self.logger.close()
+        except Exception as err:   # the first error is the one to report
+            print(f"fastdraft: while closing after an error: {err!r}", file=sys.stderr)
+
+    def _close_helpers(self, timeout_s: float = 30.0) -> None:
+        """The drafter trainer and the actor's ranks ended (asked, killed after timeout_s), the
+        last checkpoint on disk (first: hybrid workers write it; closed either way)."""
+        try:
+            self.checkpoints.wait()
+        finally:
+            self.drafter.close(timeout_s)
+            self.actor.close(timeout_s)
+            if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers, Ray itself
+                self.engine.close()
+                if self.engine.owns_ray:
+                    from fastdraft.cluster.ray_cluster import shutdown
+                    shutdown()
+            self.checkpoints.close()
+
+    def _drafter_state(self) -> dict[str, Any] | None:
+        """What --resume puts back: the engine's last good drafter (trainable tensors) and its
+        version, even after a health fallback; the online trainer's state; the health."""
+        return self.drafter.state_dict() or None
+
+    def finish(self) -> None:
+        self._close_helpers()
+        drafter = self.engine.model_drafter
+        if drafter is not None:  # saved even unexported, so `fastdraft export --run` can retry
+            from fastdraft.export.run_export import export_run_drafter
+            save_drafter(drafter, self.run_dir / "drafter",
+                         extra={"drafter_version": self.drafter.version})   # last good
+            latest = self.checkpoints.latest()
+            print(export_run_drafter(self.run_dir, drafter.kind,
+                                     latest / "model" if latest else None,
+                                     export=self.cfg.drafter.export).report())
+        self.logger.close()
+        if self.cfg.logging.dashboard:
+            print(f"dashboard: {draw_dashboard(self.run_dir)}")
+
+
+def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
+                 reserve: int, device: str, host: bool = False) -> RolloutEngine:
+    """The run's rollout engine on `device`. host: the driver's replica of a Ray run (weights
+    only: one KV slot, eager, no tuner or budgets; it never generates)."""
+    rollout = cfg.rollout
+    return RolloutEngine(
+        policy_dir, device=device, dtype=DTYPES[cfg.model.dtype],
+        max_batch_size=1 if host else rollout.max_batch_size, max_seq_len=max_seq_len,
+        drafter=drafter_dir, memory_reserve=0 if host else reserve,
+        # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
+        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
+        spec=rollout.spec, compile=rollout.compile and not host,
+        graphs=rollout.graphs and not host,
+        tuner=rollout.tuner.build(rollout.spec, cfg.seed, rollout.max_batch_size)
+        if rollout.tuner.enabled and not host else None,
+        budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
+        kv_block_size=rollout.kv_block_size,
+        kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
+                                                 ModelConfig.from_pretrained(policy_dir),
+                                                 DTYPES[cfg.model.dtype], rollout.kv_block_size))
+
+
+def _actor_ranks(cfg: RunConfig, engine: Any) -> Callable[[ActorSpec], ActorRanks]:
+    """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
+    this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
+    bundles of its own, or colocated: on the rollout workers')."""
+    if cfg.cluster.placement == "hybrid":
+        config = engine.host.model.config
+        return lambda spec: engine.ranks(config)
+    if cfg.cluster.backend == "ray":
+        from fastdraft.workers.actor_group import RayActorPeers
+        if cfg.cluster.placement == "colocated":
+            return partial(LocalRanks, peers=partial(RayActorPeers,
+                                                     placement=engine.actor_rank_options))
+        return partial(LocalRanks, peers=partial(
+            RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
+    return LocalRanks
+
+
+def _actor_device(cfg: RunConfig, engine: Any) -> str:
+    """The actor's rank 0 (this process): model.device, or colocated on GPUs rollout worker
+    0's GPU."""
+    if cfg.cluster.placement == "colocated":
+        return engine.driver_device(cfg.model.device)
+    return cfg.model.device
+
+
+def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
+    """Where the online drafter trains: beside this process (local), or as a Ray actor on a
+    rollout worker's bundle and device (ray)."""
+    if cfg.cluster.backend == "local":
+        return {}
+    if cfg.cluster.drafter_training == "data_parallel":
+        from fastdraft.workers.trainer_group import TrainerGroup
+        members = [engine.trainer_options(k) for k in range(cfg.cluster.rollout_workers)]
+        return {"device": engine.device,
+                "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
+                                                                           stats, members)}
+    from fastdraft.workers.trainer_actor import RayTrainer
+    options = engine.trainer_options()
+    return {"device": engine.device,
+            "start_trainer": lambda setup, online, stats: RayTrainer(setup, online, stats,
+                                                                     options)}
+
+
+def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
+               cache_dir: Path | None = None, resume_force: bool = False) -> Any:
+    """Runs the recipe to its end. A run whose actor rank died (a killed process, a lost GPU)
+    resumes from its last checkpoint by itself, cluster.max_actor_restarts times."""
+    from fastdraft.run.loop import train
+    restarts = 0
+    while True:
+        run = Run(cfg, run_dir, resume, cache_dir, resume_force)
+        try:
+            train(run)
+            return run
+        except BaseException as err:
+            # A stop signal may surface as the error it caused on its way out (a collective
+            # whose peer went away while a `finally` ran): it is still the stop the user asked for.
+            signum = stop_signal_in(err)
+            if signum is not None:
+                run.abandon(signum)
+            lost = lost_actor_rank(run, err)
+            run.close_after_failure()
+            if lost is None:
+                raise
+            if restarts >= cfg.cluster.max_actor_restarts:
+                raise ActorRanksLost(
+                    f"{lost}, after {restarts} automatic resume(s) (cluster.max_actor_restarts="
+                    f"{cfg.cluster.max_actor_restarts}); the checkpoints in {run_dir} are whole: "
+                    "resume with --resume once the machine is sound") from err
+        restarts += 1
+        resume, resume_force = run.checkpoints.latest() is not None, False
+        limit = cfg.cluster.max_actor_restarts
+        print(f"fastdraft: {lost}; resuming from "
+              f"{'the last checkpoint' if resume else 'the start (no checkpoint yet)'} "
+              f"(restart {restarts} of cluster.max_actor_restarts={limit})", flush=True)
+
+
+LOST_RANK_GRACE_S = 5.0   # how long a failed collective waits for its peer's death to show
+
+
+class ActorRanksLost(FastdraftError):
+    """Actor ranks kept dying: more than cluster.max_actor_restarts automatic resumes."""
+
+
+def lost_actor_rank(run: Run, err: BaseException) -> str | None:
+    """What an error means when an actor rank is gone: the rank's own error, or a collective
+    that failed because its peer died; None for any other error."""
+    from fastdraft.actor.peers import ActorRankError
+    from fastdraft.errors import exception_chain
+    for link in exception_chain(err):
+        if isinstance(link, ActorRankError):
+            return str(link).splitlines()[0]
+    if not isinstance(err, Exception):   # KeyboardInterrupt and the like: not a lost rank
+        return None
+    try:   # a collective's error (a RuntimeError) may be seen before its peer's death is
+        return run.actor.lost_rank(grace_s=LOST_RANK_GRACE_S if isinstance(err, RuntimeError)
+                                   else 0.0)
+    except Exception:   # the check itself failed: report the original error
+        return None

@@ -1,0 +1,431 @@
+"""RolloutPool: the rollout engine of a Ray run, as the RL loop sees it. It has the engine's
+interface (generate, weights and drafter between steps, fallback, state) and serves it with
+`cluster.rollout_workers` RolloutWorker replicas in a Ray placement group:
+
+- generate: whole GRPO groups dispatched (cluster/dispatch.py) by their predicted cost (the
+  answer lengths their prompt had last time); every request keeps its random stream (its index
+  in the whole rollout), so placement never changes a completion. A worker's completions and
+  hidden states reach the callbacks when its share is done, while the others still decode.
+- weights: the actor's tensors go once into the object store; every worker loads them from
+  there (`timing/push_s`). The drafter goes the same way, checksummed and versioned.
+- faults: a worker that dies mid-rollout has its unfinished share re-run on the live workers
+  (the same streams: the same completions) and is replaced with the current weights.
+
+The driver keeps a host replica (`host`: the policy and drafter on the CPU, a one-slot KV): the
+weights a replacement worker starts from, and what the online drafter reads (policy head,
+drafter shape). Ray must be up (cluster/ray_cluster.connect); the local backend never loads
+it."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdraft.actor.peers import ActorRankError
+from fastdraft.actor.rank import ActorSpec
+from fastdraft.cluster.dispatch import assign_groups
+from fastdraft.cluster.node_checks import check_nodes
+from fastdraft.cluster.ray_cluster import cuda_name
+from fastdraft.cluster.reserve import reserve
+from fastdraft.config.sections.cluster import ClusterConfig
+from fastdraft.engine import Completion, RolloutEngine, SamplingParams
+from fastdraft.engine.host_front import HostFront
+from fastdraft.engine.request import prompt_key
+from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.stats import SpecStats
+from fastdraft.engine.trace import RolloutTrace
+from fastdraft.errors import FastdraftError
+from fastdraft.models import ModelConfig
+from fastdraft.observability.timeline import Span
+from fastdraft.trainer.collector import SampleCollector
+from fastdraft.utils.weight_buckets import weight_buckets
+from fastdraft.workers.hybrid import HybridWorker, WeightSync, rendezvous
+from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all
+from fastdraft.workers.rollout_calls import RolloutCalls
+from fastdraft.workers.rollout_worker import (
+    HANDOFF,
+    Capture,
+    EngineFactory,
+    RolloutWorker,
+    WorkerRollout,
+)
+
+OnFinish = Callable[[Completion], None]
+#: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
+#: the actor rank beside it (Ray's bookkeeping: every process sees the whole device).
+TRAINER_GPU_SHARE = 0.1
+ACTOR_GPU_SHARE = 0.4
+
+
+def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
+    """What a rollout worker's placement bundle reserves: its threads, and on a GPU node
+    `cluster.gpus_per_worker` of a GPU (0.5: two workers, each with its engine, share one)."""
+    gpus = cfg.gpus_per_worker if device.startswith("cuda") else 0
+    return {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
+
+
+class RolloutPool(HostFront):
+    """Rollout engine replicas on Ray workers behind the engine's interface; what the loop
+    reads of an engine's state is the host replica's (engine/host_front.py)."""
+
+    def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
+                 device: str, group_size: int, actor: ActorSpec | None = None,
+                 paths: dict[str, Path | None] | None = None) -> None:
+        """actor (cluster.placement=hybrid): every worker is a HybridWorker holding actor rank
+        r beside its engine (workers/hybrid.py); the ranks rendezvous on worker 0's node.
+        paths (setting -> path): what the workers load, checked on every worker's node before
+        any worker starts (cluster/node_checks.py)."""
+        self.cfg, self.make_engine, self.host = cfg, make_engine, host
+        self.group_size = group_size
+        self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
+        self.bundle = worker_bundle(cfg, self.device)
+        self.group = reserve([self.bundle] * cfg.rollout_workers, cfg.placement_timeout_s,
+                             f"cluster.rollout_workers={cfg.rollout_workers}")
+        check_nodes(self.group, cfg.rollout_workers, paths or {}, cfg.placement_timeout_s)
+        self.actor = None if actor is None else self._rendezvous(actor)
+        self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
+        self.restarts = 0
+        self.owns_ray = False   # set by whoever started Ray for this pool's run
+        self.closed = False
+        self._weights: list[Any] | None = None   # object refs of the newest weights' buckets
+        self._drafter: tuple[Any, int, str | None] | None = None   # (ref, version, checksum)
+        self._lengths: dict[int, float] = {}   # prompt key -> its answers' mean length
+        self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
+        self.last_spans: list[Span] = []
+        self.last_parts: list[WorkerRollout] = []   # what each worker call of the last rollout did
+        self.last_migrated = 0   # requests that changed worker in the last rollout
+        self.last_push_s = 0.0
+        self.last_syncs: list[WeightSync] = []   # hybrid: each worker's last weight sync
+        self.last_released_bytes = 0   # what the workers gave back for the actor's update
+        self.reruns = 0   # requests re-run after their worker died (this run)
+        self.tickets = itertools.count(1)   # numbers every worker call: accept / peers name one
+        self.calls: RolloutCalls | None = None   # the latest rollout's worker calls
+        # Called when a worker's share is done while others still generate; True when that
+        # promoted the worker to drafter training (the online drafter's on_worker_idle).
+        self.idle_hook: Callable[[int], bool] | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.cfg.placement == "colocated"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.actor is not None
+
+    def _start(self, index: int) -> Any:
+        share = 1 - TRAINER_GPU_SHARE - (ACTOR_GPU_SHARE if self.colocated else 0.0)
+        cls = self._remote_class().options(
+            num_cpus=self.bundle["CPU"], **self._in_bundle(index, share),
+            name=None, max_restarts=0)
+        rank = () if self.actor is None else (self.actor, index)
+        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads, *rank)
+
+    def _rendezvous(self, actor: ActorSpec) -> ActorSpec:
+        """The actor spec with rank 0's address: worker 0's node as Ray names it, a port free
+        there (asked by a task in worker 0's bundle), never this machine's loopback unless
+        that is where worker 0 runs."""
+        import ray
+        where = ray.remote(rendezvous).options(num_cpus=0, **self._in_bundle(0, 0.0))
+        address, port = ray.get(where.remote(), timeout=self.cfg.placement_timeout_s)
+        return dataclasses.replace(actor, address=address, port=port)
+
+    def ranks(self, config: ModelConfig) -> WorkerRanks:
+        """The actor's ranks in these workers (hybrid placement), for actor/actor.Actor."""
+        if self.actor is None:
+            raise RuntimeError("the pool's workers hold actor ranks only with hybrid placement")
+        return WorkerRanks(self.workers, config)
+
+    def driver_device(self, device: str) -> str:
+        """The device this process (the actor's rank 0) computes on with colocated placement:
+        on GPUs worker 0's, as this process numbers them (it sees every GPU of its node,
+        the worker only its own); `device` elsewhere."""
+        import ray
+        if not self.device.startswith("cuda"):
+            return device
+        gpu, node = ray.get(self.workers[0].gpu.remote())
+        if node != ray.get_runtime_context().get_node_id():
+            raise FastdraftError("cluster.placement=colocated: rollout worker 0 is on another node "
+                                 "than the driver, whose process is the actor's rank 0; start "
+                                 "the run on a node with GPUs of the cluster")
+        return cuda_name(gpu)
+
+    def actor_rank_options(self, rank: int) -> dict[str, Any]:
+        """Where colocated actor rank `rank` (1..N-1) goes: rollout worker `rank`'s bundle and
+        device, no cores of its own (it computes while the worker sleeps)."""
+        if not self.colocated:
+            raise FastdraftError("actor ranks share the rollout workers' bundles only with "
+                                 "cluster.placement=colocated")
+        return {"num_cpus": 0, **self._in_bundle(rank, ACTOR_GPU_SHARE)}
+
+    def trainer_options(self, index: int | None = None) -> dict[str, Any]:
+        """Where an online drafter's trainer actor goes (workers/trainer_actor.py): worker
+        `index`'s bundle (a data-parallel member each; default: the last worker's), no cores
+        of its own. That worker's device is the trainer's (on a GPU node its GPU, shared with
+        the worker), and the last worker is the first to go idle under `concentrate` dispatch
+        (it holds the shortest groups): the trainer is promoted when a worker's share is
+        done, and trains beside the tail of the others."""
+        index = len(self.workers) - 1 if index is None else index
+        return {"num_cpus": 0, **self._in_bundle(index, TRAINER_GPU_SHARE)}
+
+    def _in_bundle(self, index: int, gpu_share: float) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return {"num_gpus": self.bundle.get("GPU", 0) * gpu_share,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=index)}
+
+    def _remote_class(self) -> Any:
+        import ray
+        # accept / peers run on a thread of their own, beside the running generate.
+        return ray.remote(concurrency_groups={HANDOFF: 1})(
+            RolloutWorker if self.actor is None else HybridWorker)
+
+    # --------------------------------------------------------------------- the engine's face
+    @property
+    def worker_names(self) -> list[str]:
+        return [f"rollout{i}" for i in range(len(self.workers))]
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, *,
+                 on_finish: OnFinish | None = None, on_hidden: SampleCollector | None = None,
+                 use_tqdm: bool | None = None) -> list[Completion]:
+        """One completion per prompt, in prompt order; groups of `group_size` consecutive
+        prompts stay together. on_hidden: the online drafter's collector; each worker turns its
+        requests' hidden states into samples as they finish (its budget) and they join the
+        collector's buffer when the worker's share is done. With cluster.consolidate_below a
+        worker's tail moves to a worker still generating, and the donor goes idle (or trains)."""
+        import ray
+        n, size = len(prompt_token_ids), self.group_size
+        if n % size:
+            raise FastdraftError(f"{n} prompts are not whole groups of {size}")
+        groups = [list(range(g, g + size)) for g in range(0, n, size)]
+        costs = [self._lengths.get(prompt_key(prompt_token_ids[g[0]]), self._mean_length())
+                 for g in groups]
+        owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
+        shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
+                  for k in range(len(self.workers))]
+        capture = None if on_hidden is None else Capture(
+            on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
+        self.calls = call = RolloutCalls(self, prompt_token_ids, params, capture)
+        for k, share in enumerate(shares):
+            if share:
+                call.submit(k, share, peers_busy=sum(map(bool, shares)) - 1)
+        start = time.time()
+        results: list[Completion | None] = [None] * n
+        done: list[tuple[int, WorkerRollout]] = []
+        training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
+        while call.pending:
+            ready, _ = ray.wait(list(call.pending), num_returns=1)
+            ended = call.pending.pop(ready[0])
+            k = ended.worker
+            try:
+                part: WorkerRollout = ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                call.rerun(k, ended.indices, err)
+                continue
+            done.append((k, part))
+            if on_hidden is not None:
+                on_hidden.add_remote(ended.samples, part.sample_requests,
+                                     part.dropped_tokens, part.peak_bytes)
+            for completion in part.completions:
+                results[completion.index] = completion
+                if on_finish is not None:
+                    on_finish(completion)
+            if part.migrated:
+                call.forward(k, part.migrated)
+            call.tell_peers()
+            if (call.pending and k not in call.busy() and self.idle_hook is not None
+                    and self.idle_hook(k)):
+                training[k] = time.time()
+        self._account(done, training, start, time.time(), n)
+        self.last_migrated = call.migrated
+        if self.colocated or self.hybrid:   # the actor's update comes next, on their devices
+            self.last_released_bytes = sum(filter(None, self._on_all(lambda w: w.sleep.remote())))
+        out = [c for c in results if c is not None]
+        for g in groups:
+            self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
+                len(out[i].token_ids) for i in g) / len(g)
+        return out
+
+    def _account(self, done: list[tuple[int, WorkerRollout]], training: dict[int, float],
+                 start: float, end: float, n: int) -> None:
+        """The rollout's trace (every worker's steps on one clock), spec statistics and each
+        worker's generate / idle / train spans (a worker may have run more than one part: a
+        re-run share, or a tail nobody took)."""
+        trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
+        events = []
+        by_worker: dict[int, list[WorkerRollout]] = {}
+        for k, part in done:
+            by_worker.setdefault(k, []).append(part)
+        for k, parts in sorted(by_worker.items()):
+            name, at = f"rollout{k}", (lambda t: max(t - start, 0.0))
+            parts.sort(key=lambda p: p.start)
+            for i, part in enumerate(parts):
+                stats.merge(part.stats)
+                trace.prefill_tokens += part.trace.prefill_tokens
+                trace.prefill_computed += part.trace.prefill_computed
+                trace.preemptions += part.trace.preemptions
+                base = part.start - part.trace.times[0] if part.trace.times else part.start
+                events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
+                    part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
+                    part.trace.drafting)]
+                spans.append(Span(name, "generate", at(part.start), at(part.end)))
+                if i and part.start - parts[i - 1].end > 1e-3:
+                    spans.append(Span(name, "idle", at(parts[i - 1].end), at(part.start)))
+            last = parts[-1]
+            if k in training:   # idle until its share was delivered, then the drafter's
+                promoted = max(at(training[k]), at(last.end))
+                spans += [Span(name, "idle", at(last.end), promoted),
+                          Span(name, "train", promoted, end - start)]
+            elif end - last.end > 1e-3:
+                spans.append(Span(name, "idle", at(last.end), end - start))
+        active = {k: 0 for k in by_worker}
+        for t, k, a, arm, tok, dr in sorted(events):
+            active[k] = a
+            trace.times.append(t - start)
+            trace.active.append(sum(active.values()))
+            trace.end_step(arm, tok, dr)
+        trace.end = end - start
+        if trace.times:
+            trace.times[0] = 0.0
+        self.last_trace, self.last_stats, self.last_spans = trace, stats, spans
+        self.last_parts = [part for _, part in done]
+
+    def _mean_length(self) -> float:
+        return sum(self._lengths.values()) / len(self._lengths) if self._lengths else 1.0
+
+    # -------------------------------------------------------------------- between steps
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int | None = None) -> int:
+        """The policy's new weights into every worker: the actor's gather is streamed in
+        buckets of cluster.push_bucket_mb, each put into the object store once and loaded by
+        every worker while the next is gathered, so the driver never holds more than a bucket
+        beyond its host replica."""
+        import ray
+        start = time.perf_counter()
+        version = self.host.policy_version + 1 if version is None else version
+        refs, loads = [], []
+        for bucket in weight_buckets(named_tensors, int(self.cfg.push_bucket_mb * 2**20)):
+            self.host.load_weights(bucket, version)
+            refs.append(ray.put(bucket))
+            loads += [w.load_weights.remote(refs[-1], version) for w in self.workers]
+        self._weights = refs
+        self._wait(loads)
+        self.last_push_s = time.perf_counter() - start
+        return version
+
+    def sync_weights(self, version: int | None = None) -> int:
+        """Hybrid placement: every worker loads its engine from the actor's shards on its own
+        device (workers/hybrid.py); the driver's host replica takes the policy head only (what
+        the online drafter's trainer reads). `timing/push_s` is this call's wall time."""
+        import ray
+        start = time.perf_counter()
+        version = self.host.policy_version + 1 if version is None else version
+        self.last_syncs = get_all([w.sync_weights.remote(version) for w in self.workers],
+                                  "the weight sync")
+        self.host.load_weights(ray.get(self.workers[0].policy_head.remote()), version)
+        self.last_push_s = time.perf_counter() - start
+        return version
+
+    def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int | None = None, checksum: str | None = None) -> int:
+        import ray
+        named = [(name, t.detach().cpu()) for name, t in named_tensors]
+        version = self.host.load_drafter_weights(named, version, checksum)   # checked here
+        self._drafter = (ray.put(named), version, checksum)
+        self._on_all(lambda w: w.load_drafter_weights.remote(*self._drafter))
+        return version
+
+    def fall_back_to_plain(self, reason: str) -> None:
+        self.host.fall_back_to_plain(reason)
+        self._sync_spec()
+
+    def resume_speculation(self, spec: SpecConfig) -> None:
+        self.host.resume_speculation(spec)
+        self._sync_spec()
+
+    def _sync_spec(self) -> None:
+        spec, reason = self.host.spec, self.host.fallback_reason
+        self._on_all(lambda w: w.set_spec.remote(spec, reason))
+
+    def advance_step(self) -> None:
+        self.host.advance_step()
+        self._on_all(lambda w: w.advance_step.remote())
+
+    def state_dict(self) -> dict:
+        """Worker 0's engine state (what a local run resumes from), every worker's beside it."""
+        import ray
+        states = ray.get([w.state_dict.remote() for w in self.workers])
+        return {**states[0], "replicas": states}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A local run's state goes to every worker; a pool's, replica by replica (cycled
+        when the worker count changed)."""
+        import ray
+        replicas = state.get("replicas") or [state]
+        self.host.load_state_dict(replicas[0])
+        ray.get([w.load_state_dict.remote(replicas[i % len(replicas)])
+                 for i, w in enumerate(self.workers)])
+
+    def _on_all(self, call: Callable[[Any], Any]) -> list[Any]:
+        """call(worker) on every worker and wait; a worker found dead is replaced (and starts
+        from the current state), so a broadcast never leaves a worker behind. The answers
+        (None from a replaced worker)."""
+        return self._wait([call(w) for w in self.workers])
+
+    def _wait(self, futures: list[Any]) -> list[Any]:
+        """Waits for calls made on the workers in order (len(workers) a round); a worker that
+        died is replaced from the current state, which the failed call was part of. The
+        answers, None where the worker died."""
+        import ray
+        replaced: set[int] = set()
+        answers: list[Any] = [None] * len(futures)
+        for i, future in enumerate(futures):
+            k = i % len(self.workers)
+            try:
+                answers[i] = ray.get(future)
+            except ray.exceptions.RayActorError as err:
+                if k not in replaced:
+                    print(f"cluster: rollout worker {k} died ({type(err).__name__}); "
+                          "replacing it")
+                    self.replace_worker(k)
+                    replaced.add(k)
+        return answers
+
+    def replace_worker(self, k: int) -> None:
+        import ray
+        if self.hybrid:   # its actor rank died with it: only a checkpoint has that shard
+            raise ActorRankError(f"hybrid worker {k} (actor rank {k}) died")
+        if self.restarts >= self.cfg.max_worker_restarts:
+            raise RuntimeError(f"rollout worker {k} died and cluster.max_worker_restarts="
+                               f"{self.cfg.max_worker_restarts} replacements are used up")
+        self.restarts += 1
+        ray.kill(self.workers[k], no_restart=True)
+        worker = self._start(k)
+        calls = [worker.pid.remote()]
+        for ref in self._weights or []:
+            calls.append(worker.load_weights.remote(ref, self.host.policy_version))
+        if self._drafter is not None:
+            calls.append(worker.load_drafter_weights.remote(*self._drafter))
+        calls.append(worker.set_spec.remote(self.host.spec, self.host.fallback_reason))
+        calls.append(worker.load_state_dict.remote(self.host.state_dict()))
+        ray.get(calls)
+        self.workers[k] = worker
+
+    def worker_pids(self) -> list[int]:
+        import ray
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        if self.closed or not ray.is_initialized():
+            return
+        self.closed = True
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        remove_placement_group(self.group)

@@ -1,0 +1,222 @@
+"""RayTrainer: the Ray backend's online drafter trainer, the TrainerService (trainer/service.py)
+in a Ray actor on a rollout worker's bundle of the pool's placement group (on a GPU node: that
+worker's GPU, so the drafter trains on the device the rollout's tail leaves idle). The loop
+calls it as it calls the local backend's SpotWorker; every call is a Ray actor call on the
+service's own method, and tensors travel as Ray serializes them.
+
+Inside the actor one thread trains (a micro-step at a time while `go` is set) and Ray's own
+thread serves the calls, so a `pause` returns within one micro-step and samples keep arriving
+while it trains. The calls that answer nothing (samples, rewards, the step, the policy head) are
+held and sent together (`apply`: every `SEND_EVERY` calls, or before the next call that
+answers, or at a `go` while training), not one Ray call each: a rollout's rewards are one call.
+Every answer is awaited at most drafter.online.reply_timeout_s: a dead, hung or raising actor
+becomes a WorkerFailure, as the SpotWorker's process does, and the online drafter restarts it
+from the last good drafter."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from fastdraft.config.sections import OnlineDrafterConfig
+from fastdraft.databuffer import Sample
+from fastdraft.errors import FastdraftError
+from fastdraft.trainer.service import (
+    TrainerHandle,
+    TrainerService,
+    TrainerSetup,
+    WorkerFailure,
+    policy_head_tensors,
+)
+from fastdraft.trainer.spot import Published, SpotStats
+from fastdraft.trainer.worker import STARTUP_GRACE_S, device_stream
+from fastdraft.utils.objects import resolved
+from fastdraft.utils.process import run_when_idle
+
+SEND_EVERY = 64   # calls held at most before they are sent as one
+FEED = ("add", "add_many", "set_reward", "advance_step", "sync_policy")   # what `apply` takes
+
+
+class TrainerActor:
+    """The actor's body: a TrainerService and the thread that trains it while told to."""
+
+    def __init__(self, setup: TrainerSetup) -> None:
+        self.service = TrainerService(setup)
+        self.device = torch.device(setup.spot.device)
+        self._go = threading.Event()
+        self._idle = threading.Event()   # set while the training thread is between steps
+        self._idle.set()
+        self._gate = threading.Lock()    # a micro-step starts only while `go` is still set
+        # A daemon: it ends with the actor's process (ray.kill), between micro-steps or not.
+        threading.Thread(target=self._train, name="drafter-trainer", daemon=True).start()
+
+    def _train(self) -> None:
+        run_when_idle()   # the micro-steps take only CPU time the workers leave
+        with device_stream(self.device):
+            while True:
+                if not self._go.wait(timeout=0.1):
+                    continue
+                with self._gate:
+                    if not self._go.is_set():
+                        continue
+                    self._idle.clear()
+                trained = self.service.micro_step()
+                self._idle.set()
+                if not trained:
+                    time.sleep(0.005)   # nothing to train on yet, or this step's share is done
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def apply(self, calls: list[tuple[str, tuple]]) -> None:
+        """The service's methods that answer nothing (FEED), in the order the loop made them;
+        an argument that is a Ray reference (a rollout worker's samples) is fetched here,
+        straight from the worker's object store."""
+        for method, args in calls:
+            if method not in FEED:
+                raise FastdraftError(f"TrainerActor.apply: {method!r} is not one of {FEED}")
+            getattr(self.service, method)(*map(resolved, args))
+
+    def go(self) -> None:
+        self._go.set()
+
+    def pause(self, asked_at: float) -> SpotStats:
+        with self._gate:
+            self._go.clear()
+        self._idle.wait()   # the micro-step running now ends first
+        return self.service.paused(asked_at)
+
+    def publish(self, min_steps: int) -> Any:
+        return self.service.publish(min_steps)
+
+    def state(self) -> dict:
+        return self.service.state()
+
+
+class RayTrainer(TrainerHandle):
+    """The loop's handle on a TrainerActor; `options`: where Ray places it (the pool's
+    trainer_options: a rollout worker's bundle). body, args: the actor's class and its
+    arguments after the setup (a data-parallel member: workers/trainer_group.py)."""
+
+    def __init__(self, setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats,
+                 options: dict[str, Any], body: type = TrainerActor, args: tuple = ()) -> None:
+        import ray
+        super().__init__(stats)
+        self.reply_timeout_s = cfg.reply_timeout_s
+        self.actor = ray.remote(body).options(max_restarts=0, **options).remote(setup, *args)
+        self._pending: list[tuple[str, tuple]] = []
+        self._going = False
+        self._pausing: Any = None   # the future of a pause not waited for yet
+        self._dead: str | None = None
+        self.pid = self._get(self.actor.pid.remote(), "pid", STARTUP_GRACE_S)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self._dead is None
+
+    @property
+    def death(self) -> str:
+        return self._dead or "closed"
+
+    # producer side (what SampleCollector calls): held, then sent as one call
+    def add(self, sample: Sample) -> None:
+        self._hold("add", sample)
+
+    def add_many(self, samples: list[Sample] | Any) -> None:
+        self._hold("add_many", samples)   # a reference stays one: the actor fetches it
+
+    def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
+        self._hold("set_reward", key, reward)
+
+    def advance_step(self) -> None:
+        self._hold("advance_step")
+
+    def sync_policy(self, named_tensors) -> None:
+        self._hold("sync_policy", {n: t.cpu() for n, t in
+                                   policy_head_tensors(named_tensors).items()})
+
+    def _hold(self, method: str, *args: Any) -> None:
+        self._pending.append((method, args))
+        if len(self._pending) >= SEND_EVERY:
+            self._send()
+
+    # control
+    def go(self, worker: int | None = None, every: bool = False) -> None:
+        """Train now; while training, what is held is sent (the tail's samples reach it)."""
+        if self._going:
+            self._send()
+            return
+        self._going = True
+        self._call("go")
+
+    def join(self, round_id: int, members: tuple[int, ...], train: bool) -> None:
+        """A data-parallel member into round `round_id` (workers/trainer_group.py)."""
+        self._going = self._going or train
+        self._call("join", round_id, members, train)
+
+    def pause(self) -> None:
+        """Stops training without waiting: the micro-step running now ends at the lowest CPU
+        priority (on a GPU, on the lowest-priority stream) beside whatever the loop does next,
+        and the next call that answers (or self.settle()) waits for it and takes the stats."""
+        if not self._going:
+            return
+        self._going = False
+        self._pausing = self._call("pause", time.perf_counter())
+
+    def settle(self) -> None:
+        """Waits for a pause asked for: the trainer is idle, self.stats holds its latency."""
+        pausing, self._pausing = self._pausing, None
+        if pausing is not None:
+            self.stats = self._get(pausing, "pause")
+
+    def ping(self) -> None:
+        """Raises WorkerFailure when the actor died or hangs."""
+        self._get(self._call("pid"), "pid")
+
+    def publish(self, min_steps: int = 0) -> Published:
+        self.settle()
+        return self._answered(self._get(self._call("publish", min_steps), "publish"))
+
+    def state(self) -> dict:
+        self.settle()
+        return self._get(self._call("state"), "state")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        import ray
+        self.closed = True
+        if ray.is_initialized():   # else Ray went down already, and the actor with it
+            ray.kill(self.actor, no_restart=True)
+
+    # calls
+    def _send(self) -> None:
+        calls, self._pending = self._pending, []
+        if calls and self.alive:
+            self.actor.apply.remote(calls)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """The actor's `method` after the calls held (Ray runs an actor's calls in the order
+        they were made); its future (None when the actor is gone)."""
+        if not self.alive:
+            return None
+        self._send()
+        return getattr(self.actor, method).remote(*args)
+
+    def _get(self, future: Any, method: str, grace_s: float = 0.0) -> Any:
+        import ray
+        if future is None:
+            raise WorkerFailure(f"the drafter trainer is gone ({self.death})")
+        try:
+            return ray.get(future, timeout=self.reply_timeout_s + grace_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailure(f"the drafter trainer sent no {method!r} reply in "
+                                f"{self.reply_timeout_s:g} s (drafter.online.reply_timeout_s): "
+                                "it hangs") from None
+        except ray.exceptions.RayActorError as err:
+            self._dead = f"its Ray actor died: {type(err).__name__}"
+            raise WorkerFailure(f"the drafter trainer died ({self._dead})") from None
+        except ray.exceptions.RayTaskError as err:
+            raise WorkerFailure(f"the drafter trainer raised {err.cause!r}\n{err}") from None
