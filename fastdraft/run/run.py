@@ -40,6 +40,7 @@ from fastdraft.trainer.fixed_drafter import FixedDrafter
 from fastdraft.trainer.online_drafter import OnlineDrafter, trainer_aux_layers
 from fastdraft.utils.atomic import atomic_write_text
 from fastdraft.workers.actor import Actor
+from fastdraft.workers.hybrid_ranks import WorkerRanks
 from fastdraft.workers.ranks import ActorRanks, LocalRanks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,11 +87,14 @@ class Run:
                                     max_seq_len, actor=actor_spec)
         # The checkpoint's state (the RNGs come back here, after the engine's build).
         loaded = self.checkpoints.load(latest) if latest is not None else None
-        self.hybrid = cfg.cluster.placement == "hybrid"   # the workers hold the actor's ranks
+        # Hybrid placement: the rollout workers hold the actor's ranks (and write checkpoints).
+        self.worker_ranks = (self.engine.ranks(self.engine.host.model.config)
+                             if cfg.cluster.placement == "hybrid" else None)
+        self.hybrid = self.worker_ranks is not None
         self.actor = Actor(replace(actor_spec, device=_actor_device(cfg, self.engine)),
-                           ranks=_actor_ranks(cfg, self.engine))
-        if self.hybrid:
-            self.checkpoints.pending_elsewhere = self.actor.ranks.wait_checkpoint
+                           ranks=_actor_ranks(cfg, self.engine, self.worker_ranks))
+        if self.worker_ranks is not None:
+            self.checkpoints.pending_elsewhere = self.worker_ranks.wait_checkpoint
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -187,8 +191,8 @@ class Run:
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
-        if self.hybrid:   # worker 0 writes it: the weights never come to this process
-            _, previous = self.actor.ranks.save_checkpoint(
+        if self.worker_ranks is not None:   # worker 0 writes it: no weight comes here
+            _, previous = self.worker_ranks.save_checkpoint(
                 str(self.checkpoints.root), self.cfg.checkpoint.keep, step,
                 {"config": config_dict(self.cfg), "drafter": self._drafter_state(),
                  "extra": {"engine": self.engine.state_dict()}, "rng": RngState.capture()})
@@ -290,13 +294,13 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
                                                  DTYPES[cfg.model.dtype], rollout.kv_block_size))
 
 
-def _actor_ranks(cfg: RunConfig, engine: Any) -> Callable[[ActorSpec], ActorRanks]:
+def _actor_ranks(cfg: RunConfig, engine: Any, workers: WorkerRanks | None
+                 ) -> Callable[[ActorSpec], ActorRanks]:
     """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
     this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
     bundles of its own, or colocated: on the rollout workers')."""
-    if cfg.cluster.placement == "hybrid":
-        config = engine.host.model.config
-        return lambda spec: engine.ranks(config)
+    if workers is not None:
+        return lambda spec: workers
     if cfg.cluster.backend == "ray":
         from fastdraft.workers.actor_group import RayActorPeers
         if cfg.cluster.placement == "colocated":
