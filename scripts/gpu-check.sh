@@ -12,8 +12,8 @@
 # GPU_CHECK_PARTS: which parts run, in this order (default "tests bench"); "rl" runs RL steps on
 # the GPU: the miniature real recipe (one actor rank: FSDP2 ranks need a GPU each) and, where
 # Ray is installed, the tiny recipe with 2 rollout workers sharing this one GPU
-# (cluster.gpus_per_worker=0.5); GPU_CHECK_STEPS steps each (default 3). Each run's log and
-# metrics.jsonl land in OUT_DIR.
+# (cluster.gpus_per_worker=0.5) and the miniature on one hybrid worker; GPU_CHECK_STEPS steps
+# each (default 3). Each run's log, metrics.jsonl and memory plan land in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu}
@@ -37,6 +37,7 @@ rl_run() {   # NAME RECIPE OVERRIDES...: a few steps on the GPU, its log and met
   fastdraft run --run-dir "$dir/$name" "$@" model.device=cuda logging.wandb.mode=disabled \
     "algorithm.num_steps=${GPU_CHECK_STEPS:-3}" 2>&1 | tee "$out/$name.log" || status=1
   cp "$dir/$name/metrics.jsonl" "$out/$name.metrics.jsonl" || status=1
+  cp "$dir/$name/memory_plan.json" "$out/$name.memory_plan.json" || status=1
   rm -rf "$dir"
 }
 rl() {
@@ -44,8 +45,12 @@ rl() {
   if "$py" -c "import ray" 2>/dev/null; then
     rl_run rl_ray_2workers_1gpu recipes/tiny-grpo.yaml cluster.backend=ray \
       cluster.rollout_workers=2 cluster.gpus_per_worker=0.5
+    # one hybrid worker: actor rank + engine replica in one process, the sync on the GPU
+    # (timing/push_s), the KV cache released for the update and the graphs captured again
+    rl_run rl_hybrid_miniature recipes/tiny-qwen3-eagle3.yaml cluster.backend=ray \
+      cluster.placement=hybrid cluster.rollout_workers=1 actor.num_ranks=1
   else
-    echo "rl: Ray is not installed here: the 2-workers-on-one-GPU run is skipped"
+    echo "rl: Ray is not installed here: the Ray runs are skipped"
   fi
 }
 bench() {
