@@ -13,7 +13,6 @@ host) into the run directory, which every node sees at the same path."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from fastdraft.actor.rank import ActorRank, ActorSpec
+from fastdraft.actor.sharding import free_port
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
 
@@ -46,10 +46,7 @@ def rendezvous() -> tuple[str, int]:
     """(this node's IP as Ray knows it, a free port here): where rank 0's process group
     listens. Run as a Ray task in rank 0's bundle, so the address is that node's."""
     import ray
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address(), free_port()
 
 
 class HybridWorker(RolloutWorker):

@@ -47,6 +47,7 @@ from fastdraft.trainer.collector import SampleCollector
 from fastdraft.utils.weight_buckets import weight_buckets
 from fastdraft.workers.hybrid import HybridWorker, WeightSync, rendezvous
 from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all
+from fastdraft.workers.rollout_account import account
 from fastdraft.workers.rollout_calls import RolloutCalls
 from fastdraft.workers.rollout_worker import (
     HANDOFF,
@@ -241,7 +242,9 @@ class RolloutPool(HostFront):
             if (call.pending and k not in call.busy() and self.idle_hook is not None
                     and self.idle_hook(k)):
                 training[k] = time.time()
-        self._account(done, training, start, time.time(), n)
+        self.last_trace, self.last_stats, self.last_spans = account(
+            done, training, start, time.time(), n)
+        self.last_parts = [part for _, part in done]
         self.last_migrated = call.migrated
         if self.colocated or self.hybrid:   # the actor's update comes next, on their devices
             self.last_released_bytes = sum(filter(None, self._on_all(lambda w: w.sleep.remote())))
@@ -250,50 +253,6 @@ class RolloutPool(HostFront):
             self._lengths[prompt_key(prompt_token_ids[g[0]])] = sum(
                 len(out[i].token_ids) for i in g) / len(g)
         return out
-
-    def _account(self, done: list[tuple[int, WorkerRollout]], training: dict[int, float],
-                 start: float, end: float, n: int) -> None:
-        """The rollout's trace (every worker's steps on one clock), spec statistics and each
-        worker's generate / idle / train spans (a worker may have run more than one part: a
-        re-run share, or a tail nobody took)."""
-        trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
-        events = []
-        by_worker: dict[int, list[WorkerRollout]] = {}
-        for k, part in done:
-            by_worker.setdefault(k, []).append(part)
-        for k, parts in sorted(by_worker.items()):
-            name, at = f"rollout{k}", (lambda t: max(t - start, 0.0))
-            parts.sort(key=lambda p: p.start)
-            for i, part in enumerate(parts):
-                stats.merge(part.stats)
-                trace.prefill_tokens += part.trace.prefill_tokens
-                trace.prefill_computed += part.trace.prefill_computed
-                trace.preemptions += part.trace.preemptions
-                base = part.start - part.trace.times[0] if part.trace.times else part.start
-                events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
-                    part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,
-                    part.trace.drafting)]
-                spans.append(Span(name, "generate", at(part.start), at(part.end)))
-                if i and part.start - parts[i - 1].end > 1e-3:
-                    spans.append(Span(name, "idle", at(parts[i - 1].end), at(part.start)))
-            last = parts[-1]
-            if k in training:   # idle until its share was delivered, then the drafter's
-                promoted = max(at(training[k]), at(last.end))
-                spans += [Span(name, "idle", at(last.end), promoted),
-                          Span(name, "train", promoted, end - start)]
-            elif end - last.end > 1e-3:
-                spans.append(Span(name, "idle", at(last.end), end - start))
-        active = {k: 0 for k in by_worker}
-        for t, k, a, arm, tok, dr in sorted(events):
-            active[k] = a
-            trace.times.append(t - start)
-            trace.active.append(sum(active.values()))
-            trace.end_step(arm, tok, dr)
-        trace.end = end - start
-        if trace.times:
-            trace.times[0] = 0.0
-        self.last_trace, self.last_stats, self.last_spans = trace, stats, spans
-        self.last_parts = [part for _, part in done]
 
     def _mean_length(self) -> float:
         return sum(self._lengths.values()) / len(self._lengths) if self._lengths else 1.0
