@@ -207,6 +207,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     _export_args)
 def export_cmd(args: argparse.Namespace) -> int:
     from fastdraft.checkpoint import CheckpointManager
+    from fastdraft.checkpoint.sharded import policy_weights
     from fastdraft.export import export_drafter
     drafter = args.run / "drafter"
     if not (drafter / "drafter_config.json").is_file():
@@ -216,9 +217,10 @@ def export_cmd(args: argparse.Namespace) -> int:
     if latest is None:
         raise FileNotFoundError(f"{args.run / 'checkpoints'}: no complete checkpoint to read "
                                 "the policy from")
-    for path in export_drafter(drafter, latest / "model", args.out or args.run / "export",
-                               args.format):
-        print(f"exported: {path}")
+    with policy_weights(latest) as policy:   # a sharded checkpoint's: consolidated
+        for path in export_drafter(drafter, policy, args.out or args.run / "export",
+                                   args.format):
+            print(f"exported: {path}")
     return 0
 
 

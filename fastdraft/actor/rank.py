@@ -38,6 +38,7 @@ from fastdraft.algo.logprobs import logprobs_of, next_token_logits_and_hidden, t
 from fastdraft.algo.objective import Algorithm
 from fastdraft.algo.sequences import SequenceBatch, empty_batch
 from fastdraft.algo.token_stats import TokenStats, token_stats
+from fastdraft.checkpoint.sharded import load_shards, save_shards
 from fastdraft.config.sections import ActorConfig, AlgorithmConfig
 from fastdraft.models import CausalLM
 from fastdraft.utils.schedule import warmup_cosine_lr
@@ -251,7 +252,38 @@ class ActorRank:
             box = [state.get("scheduler"), state.get("loss_scale")]
             dist.broadcast_object_list(box, src=0)
             state = {"scheduler": box[0], "loss_scale": box[1]}
+        self._load_schedule(state)
+
+    def save_shards(self, into: Path | None) -> tuple[Path, dict[str, dict]] | None:
+        """Collective: every rank writes its own shard of the masters and AdamW state into
+        rank 0's `into` (a sharded checkpoint's temp dir; the others pass None). Rank 0 gets
+        (into, every rank's files' COMPLETE entries), the others None."""
+        if not _distributed():
+            return into, save_shards(self.model, self.optimizer, into)
+        box = [into]
+        dist.broadcast_object_list(box, src=0)
+        entries = save_shards(self.model, self.optimizer, box[0])
+        every: list = [None] * self.world
+        dist.all_gather_object(every, entries)
+        return (box[0], {k: v for e in every for k, v in e.items()}) if self.rank == 0 else None
+
+    def load_shards(self, ckpt: Path, state: dict) -> None:
+        """Collective: this rank's part of sharded checkpoint `ckpt` (however many ranks wrote
+        it: DCP reshards), then the LR schedule and loss scale in `state` (every rank's the
+        same)."""
+        load_shards(self.model, self.optimizer, ckpt)
+        self._load_schedule(state)
+
+    def schedule_state(self) -> dict:
+        """The LR schedule and the loss scale: plain values, the same on every rank."""
+        return {"scheduler": self.scheduler.state_dict(), "loss_scale": self.scaler.state_dict()}
+
+    def _load_schedule(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state.get("loss_scale") or {})
         for group in self.optimizer.param_groups:   # the schedule's lr for the next step
             group["lr"] = self.scheduler.get_last_lr()[0]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -7,6 +7,9 @@
         state.json                  {"format", "step", "optimizer", "scheduler", "rng", "extra"};
                                     tensor leaves are {"__tensor__": key} into state.safetensors
         run_config.json             the run's config dict
+        actor/                      hybrid workers' checkpoints: the actor's shards, one file
+                                    per rank (torch.distributed.checkpoint), model/ holds only
+                                    config.json (checkpoint/sharded.py)
         COMPLETE                    written last: {"step", "files": {relative path:
                                     {"size", "sha256"}}}
 
@@ -30,6 +33,7 @@ from fastdraft.utils.file_digest import CorruptFileError, check_file, file_sha25
 
 FORMAT = 2   # 2: optimizer state keyed by parameter name (FSDP2 full state dict)
 MODEL_DIR = "model"
+ACTOR_DIR = "actor"   # a sharded actor's masters and optimizer state (checkpoint/sharded.py)
 TENSORS_FILE = "state.safetensors"
 STATE_FILE = "state.json"
 CONFIG_FILE = "run_config.json"
@@ -77,9 +81,12 @@ def temp_dirs(ckpt_root: Path) -> list[Path]:
     return sorted(p for p in ckpt_root.iterdir() if p.name.startswith(".step-"))
 
 
-def manifest(ckpt: Path) -> dict[str, dict]:
-    """Relative path -> {"size", "sha256"} of every file under `ckpt` (what COMPLETE records)."""
-    return {rel: {"size": (ckpt / rel).stat().st_size, "sha256": file_sha256(ckpt / rel)}
+def manifest(ckpt: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Relative path -> {"size", "sha256"} of every file under `ckpt` (what COMPLETE records);
+    `known`: entries the files' writers made (a sharded actor's ranks), not hashed again."""
+    known = known or {}
+    return {rel: known.get(rel) or {"size": (ckpt / rel).stat().st_size,
+                                    "sha256": file_sha256(ckpt / rel)}
             for rel in tree_files(ckpt, exclude=(MARKER,))}
 
 
@@ -101,7 +108,8 @@ def validate(ckpt: Path, digests: bool = False) -> int:
         raise CorruptCheckpointError(ckpt, MARKER, f"unreadable ({e})") from e
     if step_of(ckpt) not in (None, step):
         raise CorruptCheckpointError(ckpt, MARKER, f"records step {step}, not the directory's")
-    for rel in (f"{MODEL_DIR}/config.json", STATE_FILE, CONFIG_FILE, TENSORS_FILE):
+    for rel in (f"{MODEL_DIR}/config.json", STATE_FILE, CONFIG_FILE, TENSORS_FILE,
+                *((f"{ACTOR_DIR}/.metadata",) if (ckpt / ACTOR_DIR).is_dir() else ())):
         if rel not in files:
             raise CorruptCheckpointError(ckpt, rel, f"not listed in {MARKER}")
     for rel, entry in files.items():

@@ -33,8 +33,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
     checkpoint raises CorruptCheckpointError naming the file before anything is changed), then
     copies the weights into `model`'s parameters in place (the engine and CUDA graphs keep
     their storage) and restores optimizer, scheduler and RNGs. model=None leaves the weights
-    to the caller (a sharded actor builds itself from `path / "model"`); the optimizer and
-    scheduler states come back in the LoadedState too."""
+    to the caller (a sharded actor builds itself from `path / "model"`, or reads its shards:
+    LoadedState.sharded, checkpoint/sharded.load_shards); the optimizer and scheduler states
+    come back in the LoadedState too."""
     path = Path(path)
     validate(path, digests=digests)
     state = _read(path, STATE_FILE, lambda p: json.loads(p.read_text()))
@@ -43,6 +44,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
                              "fastdraft "
                              f"reads format {FORMAT}: resume with the fastdraft that wrote it")
     tensors = _read(path, TENSORS_FILE, lambda p: load_file(str(p)))
+    if model is not None and state.get("actor") == "dcp":
+        raise FastdraftError(f"checkpoint {path} holds the actor's shards (actor/): load them "
+                             "with checkpoint.sharded.load_shards, or consolidate() them")
     if model is not None:
         loaded = set(_read(path, MODEL_DIR,
                            lambda p: load_named_tensors(model, iter_safetensors(p))))
@@ -65,7 +69,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module | None = None,
     config = _read(path, CONFIG_FILE, lambda p: json.loads(p.read_text()))
     return LoadedState(path=path, step=int(state["step"]), config=config, extra=state["extra"],
                        drafter=trees["drafter"], optimizer=trees["optimizer"],
-                       scheduler=trees["scheduler"])
+                       scheduler=trees["scheduler"], sharded=state.get("actor") == "dcp")
 
 
 def _read(ckpt: Path, rel: str, read: Any) -> Any:

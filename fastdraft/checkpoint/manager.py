@@ -25,6 +25,7 @@ from fastdraft.checkpoint.snapshot import HostMirror, take_snapshot
 from fastdraft.checkpoint.state import LoadedState, TrainState
 from fastdraft.checkpoint.write import write_checkpoint
 from fastdraft.errors import FastdraftError
+from fastdraft.utils.atomic import temp_dir_for
 
 
 class CheckpointWarning(UserWarning):
@@ -59,12 +60,16 @@ class CheckpointManager:
         # for it too, so latest() never races it.
         self.pending_elsewhere: Callable[[], None] | None = None
 
-    def save(self, step: int, state: TrainState, block: bool = False) -> None:
+    def save(self, step: int, state: TrainState, block: bool = False,
+             into: Path | None = None, shards: dict[str, dict] | None = None) -> None:
         """Returns once the state is copied to host; the write goes on in the background unless
-        `block`. A failed earlier write raises CheckpointWriteError here, before anything else."""
+        `block`. A failed earlier write raises CheckpointWriteError here, before anything else.
+        A sharded actor (state.model a ShardedActor): `into` is the temp dir its ranks wrote
+        their shards into (temp_dir), `shards` their COMPLETE entries; the rest is written and
+        the whole published as any checkpoint."""
         self.wait()
         snap = take_snapshot(step, state, self._mirror)
-        self._pending = (step, self._pool.submit(self._write, snap))
+        self._pending = (step, self._pool.submit(self._write, snap, into, shards))
         if block:
             self.wait()
 
@@ -80,6 +85,13 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointWriteError(f"background write of checkpoint "
                                        f"{self.root / step_dir_name(step)} failed: {e!r}") from e
+
+    def temp_dir(self, step: int) -> Path:
+        """A temp dir for checkpoint `step` that writers in other processes fill before save()
+        publishes it (a sharded actor's ranks: checkpoint/sharded.py); after the pending write,
+        whose pruning removes leftover temp dirs."""
+        self.wait()
+        return temp_dir_for(self.root / step_dir_name(step))
 
     def latest(self, digests: bool = False) -> Path | None:
         """The newest checkpoint that validates. Damaged and unfinished ones are skipped with a
@@ -124,9 +136,9 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write(self, snap: Any) -> Path:
+    def _write(self, snap: Any, into: Path | None, shards: dict[str, dict] | None) -> Path:
         start = time.perf_counter()
-        path = write_checkpoint(snap, self.root)
+        path = write_checkpoint(snap, self.root, into, shards)
         self._prune(snap.step)
         self.last_write_s = time.perf_counter() - start
         return path

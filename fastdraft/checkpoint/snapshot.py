@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from fastdraft.checkpoint.layout import FORMAT
+from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.checkpoint.state import TrainState
 from fastdraft.checkpoint.tree import flatten
 from fastdraft.errors import FastdraftError
@@ -31,7 +32,8 @@ class Snapshot:
     """A host-memory copy of one TrainState, owned by the writer until its write completes."""
 
     step: int
-    model: CausalLM  # a CPU mirror of the actor, written with save_model
+    model: CausalLM | ShardedActor  # a CPU mirror of the actor (save_model), or its config:
+    # the ranks wrote their shards (checkpoint/sharded.py)
     tensors: dict[str, torch.Tensor]
     state_json: str
     config_json: str
@@ -77,7 +79,11 @@ def take_snapshot(step: int, state: TrainState, mirror: HostMirror) -> Snapshot:
             "rng": flatten(state.rng.as_tree(), "rng", tensors),
             "drafter": flatten(state.drafter, "drafter", tensors),
             "extra": _checked(state.extra, "extra")}
-    return Snapshot(step=step, model=mirror.copy_from(state.model), tensors=tensors,
+    sharded = isinstance(state.model, ShardedActor)
+    if sharded:
+        tree["actor"] = "dcp"   # the masters and optimizer state are in actor/, by rank
+    return Snapshot(step=step, model=state.model if sharded else mirror.copy_from(state.model),
+                    tensors=tensors,
                     state_json=json.dumps(tree), config_json=_dumps(state.config, "config"))
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 
@@ -61,7 +62,8 @@ class RngState:
 class TrainState:
     """Everything the GRPO loop needs to resume at `step`.
 
-    model: the actor (saved as an HF checkpoint directory, so any HF tool can read it).
+    model: the actor (saved as an HF checkpoint directory, so any HF tool can read it), or a
+    ShardedActor: its ranks wrote the masters and optimizer state (checkpoint/sharded.py).
     optimizer / scheduler: their `state_dict()`s (scheduler optional).
     rng: captured when this TrainState is built, i.e. at the checkpoint point of the loop.
     config: the run's config (JSON); extra: small JSON-able bookkeeping (e.g. metrics cursor).
@@ -69,7 +71,7 @@ class TrainState:
     tensors), a tree with tensor leaves like the optimizer's, or None.
     """
 
-    model: CausalLM
+    model: CausalLM | ShardedActor
     optimizer: dict[str, Any]
     step: int
     scheduler: dict[str, Any] | None = None
@@ -99,5 +101,6 @@ class LoadedState:
     config: dict[str, Any]
     extra: dict[str, Any]
     drafter: dict[str, Any] | None = None
-    optimizer: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None   # None in a sharded checkpoint: load_shards
     scheduler: dict[str, Any] | None = None
+    sharded: bool = False   # the actor's masters and optimizer state are in actor/ (DCP)

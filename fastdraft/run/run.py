@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ from fastdraft.algo.objective import Algorithm
 from fastdraft.backends import build_rollout
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
+from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.checkpoint.state import RngState
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
@@ -75,7 +77,8 @@ class Run:
         # The actor scores every position the engine can sample at (its rotary table too); a
         # resumed one starts from the checkpoint's fp32 masters.
         actor_spec = ActorSpec(
-            policy_dir=self.policy_dir if latest is None else latest / MODEL_DIR,
+            policy_dir=(self.policy_dir if latest is None or is_sharded(latest)
+                        else latest / MODEL_DIR),
             reference_dir=self.policy_dir,
             actor=cfg.actor, algorithm=cfg.algorithm, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -103,9 +106,12 @@ class Run:
         self.start_step = 0
         drafter_resume = None
         if loaded is not None:
-            self.actor.load_training_state({"optimizer": loaded.optimizer,
-                                            "scheduler": loaded.scheduler,
-                                            "loss_scale": loaded.extra.get("loss_scale")})
+            schedule = {"scheduler": loaded.scheduler,
+                        "loss_scale": loaded.extra.get("loss_scale")}
+            if loaded.sharded:   # hybrid workers wrote it: every rank reads its part
+                self.actor.load_shards(latest, schedule)
+            else:
+                self.actor.load_training_state({"optimizer": loaded.optimizer, **schedule})
             self.start_step = loaded.step
             self.push_weights(version=loaded.step)
             self.engine.load_state_dict(loaded.extra["engine"])
@@ -231,15 +237,18 @@ class Run:
         """The helpers ended after an error (raised by the caller); a failure while closing is
         printed, not raised over the error that matters."""
         try:
-            self._close_helpers(timeout_s=2.0)
+            self._close_helpers(timeout_s=2.0, failed=True)
             self.logger.close()
         except Exception as err:   # the first error is the one to report
             print(f"fastdraft: while closing after an error: {err!r}", file=sys.stderr)
 
-    def _close_helpers(self, timeout_s: float = 30.0) -> None:
+    def _close_helpers(self, timeout_s: float = 30.0, failed: bool = False) -> None:
         """The drafter trainer and the actor's ranks ended (asked, killed after timeout_s), the
-        last checkpoint on disk (first: hybrid workers write it; closed either way)."""
+        last checkpoint on disk (first: hybrid workers write it, given FAILED_WRITE_WAIT_S
+        after a failure; closed either way)."""
         try:
+            if self.worker_ranks is not None:
+                self.worker_ranks.wait_checkpoint(FAILED_WRITE_WAIT_S if failed else None)
             self.checkpoints.wait()
         finally:
             self.drafter.close(timeout_s)
@@ -263,10 +272,11 @@ class Run:
             from fastdraft.export.run_export import export_run_drafter
             save_drafter(drafter, self.run_dir / "drafter",
                          extra={"drafter_version": self.drafter.version})   # last good
-            latest = self.checkpoints.latest()
-            print(export_run_drafter(self.run_dir, drafter.kind,
-                                     latest / "model" if latest else None,
-                                     export=self.cfg.drafter.export).report())
+            latest = self.checkpoints.latest() if self.cfg.drafter.export else None
+            # a sharded checkpoint's policy consolidated (a temp dir) for the export's head
+            with policy_weights(latest) if latest else nullcontext() as policy:
+                print(export_run_drafter(self.run_dir, drafter.kind, policy,
+                                         export=self.cfg.drafter.export).report())
         self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")
@@ -371,6 +381,7 @@ def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
               f"(restart {restarts} of cluster.max_actor_restarts={limit})", flush=True)
 
 
+FAILED_WRITE_WAIT_S = 10.0   # hybrid worker 0's checkpoint write, after a failure
 LOST_RANK_GRACE_S = 5.0   # how long a failed collective waits for its peer's death to show
 
 

@@ -23,18 +23,25 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yields a temp dir beside `final`; fill it, and on a clean exit it replaces `final`. On an
-    error the temp dir is removed and `final` is untouched."""
+def atomic_dir(final: str | Path, tmp: str | Path | None = None) -> Iterator[Path]:
+    """Yields a temp dir beside `final` (`tmp`: one made already, by temp_dir_for); fill it,
+    and on a clean exit it replaces `final`. On an error the temp dir is removed and `final`
+    is untouched."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = Path(tmp) if tmp is not None else temp_dir_for(final)
     try:
         yield tmp
         publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temp_dir_for(final: str | Path) -> Path:
+    """A new temp dir beside `final`, named after it (what atomic_dir publishes)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

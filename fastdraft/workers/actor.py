@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,6 +139,11 @@ class Actor:
     def load_training_state(self, state: dict) -> None:
         """Restores optimizer, LR schedule and loss scale from rank 0's copy of a checkpoint."""
         self.ranks.call("load_training_state", [(state,)] + [({},)] * (self.world - 1))
+
+    def load_shards(self, ckpt: Path, schedule: dict) -> None:
+        """Every rank reads its part of sharded checkpoint `ckpt`, whatever number of ranks
+        wrote it (checkpoint/sharded.py); `schedule`: its LR schedule and loss scale."""
+        self.ranks.call("load_shards", (ckpt, schedule))
 
     def lost_rank(self, grace_s: float = 0.0) -> str | None:
         """A rank that died, as words (what a failed collective really means); None when

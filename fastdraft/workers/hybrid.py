@@ -8,8 +8,9 @@ from the FSDP2 shards (an all-gather among the workers per FSDP unit) straight i
 engine, cast to the serving dtype as they land (`engine.load_weights` copies in place): no host
 copy, no object store, no driver on the path. Between rollout and update the engine gives back
 its KV cache only (on a GPU: the update needs the memory; the weights stay). Checkpoints are
-written by worker 0 (every run's format: the full fp32 masters and AdamW state gathered to its
-host) into the run directory, which every node sees at the same path."""
+sharded: every worker writes its shard of the masters and AdamW state, worker 0 the rest and
+the publish (checkpoint/sharded.py), into the run directory, which every node sees at the same
+path."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from fastdraft.actor.rank import ActorRank, ActorSpec
 from fastdraft.actor.sharding import free_port
 from fastdraft.checkpoint import CheckpointManager, TrainState
+from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
 
 #: The policy tensors the driver's host replica takes after a sync: what the online drafter's
@@ -88,25 +90,27 @@ class HybridWorker(RolloutWorker):
 
     def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
                         ) -> tuple[float, float]:
-        """Collective: every worker gathers the optimizer state, then the parameters; worker 0
-        writes checkpoint `step` with `rest` (the driver's part: config, drafter, extra, rng)
-        through a CheckpointManager of its own (host snapshot now, the write in the
-        background, the format of every checkpoint), so no weight goes to the driver.
-        (seconds the call took, the previous write's seconds)."""
+        """Collective: every worker writes its own shard of the masters and AdamW state
+        (torch.distributed.checkpoint, into worker 0's temp dir for checkpoint `step`); worker
+        0 then adds `rest` (the driver's part: config, drafter, extra, rng) and the LR schedule
+        through a CheckpointManager of its own, which publishes the whole in the background
+        (checkpoint/sharded.py). No weight leaves its rank. (seconds the call took, the
+        previous write's seconds)."""
         start = time.perf_counter()
-        training = self.actor.training_state()
-        gathered = self.actor.gathered()
-        try:
-            if self.actor.rank == 0:
-                if self.checkpoints is None:
-                    self.checkpoints = CheckpointManager(Path(root).parent, keep)
-                self.checkpoints.save(step, TrainState(
-                    model=gathered, optimizer=training["optimizer"],
-                    scheduler=training["scheduler"], step=step, config=rest["config"],
-                    drafter=rest["drafter"], rng=rest["rng"],
-                    extra={**rest["extra"], "loss_scale": training["loss_scale"]}))
-        finally:
-            gathered.finish()
+        into = None
+        if self.actor.rank == 0:
+            if self.checkpoints is None:
+                self.checkpoints = CheckpointManager(Path(root).parent, keep)
+            into = self.checkpoints.temp_dir(step)   # after the previous write
+        written = self.actor.save_shards(into)
+        if written is not None:
+            schedule = self.actor.schedule_state()
+            self.checkpoints.save(step, TrainState(
+                model=ShardedActor(self.actor.model.config), optimizer={},
+                scheduler=schedule["scheduler"], step=step, config=rest["config"],
+                drafter=rest["drafter"], rng=rest["rng"],
+                extra={**rest["extra"], "loss_scale": schedule["loss_scale"]}),
+                into=written[0], shards=written[1])
         previous = self.checkpoints.last_write_s if self.checkpoints is not None else 0.0
         return time.perf_counter() - start, previous
 

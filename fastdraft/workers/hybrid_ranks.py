@@ -60,13 +60,22 @@ class WorkerRanks:
         """Checkpoint `step` written by worker 0 (workers/hybrid.py); (seconds, the previous
         write's seconds)."""
         return get_all([w.save_checkpoint.remote(root, keep, step, rest) for w in self.workers],
-                       "the checkpoint gather", self.timeout_s)[0]
+                       "the checkpoint (each worker its shard)", self.timeout_s)[0]
 
-    def wait_checkpoint(self) -> None:
-        """Worker 0's checkpoint write on disk (nothing once the workers are closed)."""
-        if not self.closed:
+    def wait_checkpoint(self, timeout_s: float | None = None) -> None:
+        """Worker 0's checkpoint write on disk (nothing once the workers are closed).
+        timeout_s (after a failure): a peer's death can leave worker 0 waiting in a collective,
+        so it is given that long and then no more waits are made (what it publishes is whole or
+        absent either way: the atomic publish)."""
+        if self.closed:
+            return
+        try:
             get_all([self.workers[0].wait_checkpoint.remote()], "the checkpoint write",
-                    self.timeout_s)
+                    self.timeout_s if timeout_s is None else timeout_s)
+        except ActorRankError:
+            if timeout_s is None:
+                raise
+            self.closed = True
 
     def lost(self, grace_s: float = 0.0) -> str | None:
         import ray

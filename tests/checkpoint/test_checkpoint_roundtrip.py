@@ -76,7 +76,7 @@ def test_save_copies_to_host_before_returning(tmp_path, monkeypatch):
     import fastdraft.checkpoint.manager as manager_mod
     release, real = threading.Event(), manager_mod.write_checkpoint
     monkeypatch.setattr(manager_mod, "write_checkpoint",
-                        lambda snap, root: (release.wait(10), real(snap, root))[1])
+                        lambda snap, root, *rest: (release.wait(10), real(snap, root, *rest))[1])
     model, optimizer, _ = _setup(seed=0)
     train_steps(model, optimizer, 1)
     before = [p.detach().clone() for p in model.parameters()]

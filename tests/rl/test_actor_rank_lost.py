@@ -10,6 +10,8 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -66,11 +68,14 @@ def _kill_rank1_after_step(run_dir, step: int) -> threading.Thread:
 
 
 def _final_digest(run_dir) -> str:
+    """The newest checkpoint's masters (a hybrid run's shards consolidated)."""
     from safetensors.torch import load_file
+
+    from fastdraft.checkpoint.sharded import policy_weights
     ckpt = sorted((run_dir / "checkpoints").iterdir())[-1]
-    tensors = {}
-    for f in sorted((ckpt / "model").glob("*.safetensors")):
-        tensors.update(load_file(f))
+    with policy_weights(ckpt) as policy:
+        tensors = load_file(policy / "model.safetensors")
+    assert tensors
     return tensor_digest(sorted(tensors.items()))
 
 
@@ -95,6 +100,48 @@ def test_a_killed_actor_rank_resumes_from_the_last_checkpoint(char_policy, tmp_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert _final_digest(run_dir) == _final_digest(tmp_path / "unbroken")
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_worker_killed_during_the_checkpoint_write_resumes_from_the_newest_whole_one(
+        char_policy, tmp_path, capsys, monkeypatch):
+    """Hybrid workers write checkpoint 2 (sharded, worker 0 holds its temp dir): worker 0 is
+    SIGKILLed in it, its temp dir half made. The run resumes from checkpoint 1 by itself (the
+    half-made one is skipped, then cleared by the next save) and finishes its steps."""
+    import ray
+
+    from fastdraft.workers.hybrid_ranks import WorkerRanks
+    real, killed = WorkerRanks.save_checkpoint, []
+
+    def save_and_kill(self, root, keep, step, rest):
+        if step != 2 or killed:
+            return real(self, root, keep, step, rest)
+        pid = ray.get(self.workers[0].pid.remote())
+        # worker 1 comes to the collective a little late: worker 0 waits in it meanwhile
+        self.workers[1].__ray_call__.remote(lambda _: time.sleep(3.0))
+        with ThreadPoolExecutor(1) as pool:
+            saving = pool.submit(real, self, root, keep, step, rest)
+            deadline = time.monotonic() + 60
+            while not list(Path(root).glob(".step-000002.tmp-*")):
+                assert time.monotonic() < deadline and not saving.done()
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return saving.result()
+
+    monkeypatch.setattr(WorkerRanks, "save_checkpoint", save_and_kill)
+    run_dir = tmp_path / "run"
+    run_recipe(_cfg(char_policy, tmp_path, *HYBRID), run_dir)
+    out = capsys.readouterr().out
+    assert killed and "hybrid worker 0 (actor rank 0) died" in out
+    assert "resuming from the last checkpoint" in out
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-000001'}" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    checkpoints = run_dir / "checkpoints"
+    assert [p.name for p in sorted(checkpoints.iterdir())] == [
+        f"step-{s:06d}" for s in range(1, STEPS + 1)]   # no temp dir left, every one whole
+    assert _final_digest(run_dir)
 
 
 def test_ranks_that_keep_dying_end_the_run_with_one_clear_error(char_policy, tmp_path):

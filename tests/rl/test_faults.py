@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -75,6 +76,13 @@ def _tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _none_tagged(tag: str, timeout: float = 20.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while (left := _tagged(tag)) and time.monotonic() < deadline:
@@ -87,23 +95,58 @@ def _none_tagged(tag: str, timeout: float = 20.0) -> list[psutil.Process]:
     ids=["kill", "term", "int", "term-no-grace"])
 def test_a_signal_at_a_random_point_leaves_nothing_and_the_run_resumes_exactly(
         policy_and_drafter, unbroken, tmp_path, signum, grace):
-    run_dir = tmp_path / "run"
-    args = [*_overrides(policy_and_drafter, f"checkpoint.stop_grace_s={grace}"),
-            "--run-dir", str(run_dir)]
+    args = _overrides(policy_and_drafter, f"checkpoint.stop_grace_s={grace}")
     # Anywhere from the start-up (imports, the engine's build) to the last step.
+    _signal_and_resume(args, tmp_path / "run", unbroken, signum, grace, (0.1, 0.9))
+
+
+HYBRID = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
+          "cluster.worker_threads=1"]
+
+
+@pytest.mark.xdist_group("ray")
+def test_the_driver_of_hybrid_workers_killed_leaves_no_process_and_resumes_exactly(
+        policy_and_drafter, tmp_path):
+    """SIGKILL of the driver of 2 hybrid workers (Ray started by the run): the workers, Ray's
+    own processes and the run's helpers all end with it; `--resume` continues from the newest
+    checkpoint the workers wrote (sharded) to the unbroken run's metrics."""
+    args = _overrides(policy_and_drafter, *HYBRID)
+    start = time.monotonic()
+    done = _run([*args, "--run-dir", str(tmp_path / "unbroken")])
+    assert done.returncode == 0, done.stderr
+    expected = (_metrics(tmp_path / "unbroken"), time.monotonic() - start)
+    # while the workers run: once a step is logged, at a random point of the next few
+    run_dir = tmp_path / "run"
+    _signal_and_resume(args, run_dir, expected, signal.SIGKILL, 30, (0.0, 0.3),
+                       ready=(run_dir / "metrics.jsonl").is_file, workers="HybridWorker")
+
+
+def _signal_and_resume(args: list[str], run_dir: Path, unbroken: tuple[list[dict], float],
+                       signum: int, grace: int, window: tuple[float, float],
+                       ready: Callable[[], bool] = lambda: True, workers: str = "") -> None:
+    """The run signalled at a random point of `window` (fractions of the unbroken run's wall
+    time) after `ready()` holds: no process of it left (`workers`: a process whose command
+    line names it was among them), one line (or silence) said, what is on disk whole;
+    resumed (or started again), its metrics are the unbroken run's."""
+    args = [*args, "--run-dir", str(run_dir)]
     expected, wall_s = unbroken
-    delay = random.Random(SEED * 100 + signum * 10 + grace).uniform(0.1, 0.9) * wall_s
+    delay = random.Random(SEED * 100 + signum * 10 + grace).uniform(*window) * wall_s
     tag = f"{os.getpid()}-{signum}-{grace}-{time.monotonic_ns()}"
     proc = subprocess.Popen([*CLI, "run", str(RECIPE), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "FASTDRAFT_FAULT_TAG": tag})
+    deadline = time.monotonic() + 300
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     deadline = time.monotonic() + delay
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     where = f"signal {signal.Signals(signum).name} after {delay:.1f} s (seed {SEED})"
     if proc.poll() is not None:
         pytest.skip(f"the run ended before the {where}")
-    assert proc.pid in {p.pid for p in _tagged(tag)}   # the check below sees the run's tree
+    tree = _tagged(tag)
+    assert proc.pid in {p.pid for p in tree}   # the check below sees the run's tree
+    assert workers in " ".join(" ".join(_cmdline(p)) for p in tree), where
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     left = _none_tagged(tag)
@@ -139,6 +182,8 @@ def test_a_signal_at_a_random_point_leaves_nothing_and_the_run_resumes_exactly(
             if key in want:
                 assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (
                     where, got["step"], key)
+
+
 
 
 def _in_namespace(mount: str, command: list[str]) -> subprocess.CompletedProcess:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.run.loop import train_step
 from fastdraft.run.run import Run
 from tests.rl.test_loop import _cfg
@@ -84,7 +86,10 @@ def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
         latest = run.checkpoints.latest(digests=True)   # waits for worker 0's write
         assert latest.name == "step-000002"
         saved = run.checkpoints.load(latest)
-        assert saved.step == 2 and saved.optimizer["state"]   # the full AdamW state, by name
+        assert saved.step == 2 and saved.sharded   # each worker wrote its shard
+        with policy_weights(latest) as policy:   # the shards put together are the masters
+            masters = load_file(str(policy / "model.safetensors"))
+        assert all(torch.equal(masters[n], t) for n, t in actor.items())
     finally:
         one.close_after_failure()
         run.close_after_failure()
@@ -94,9 +99,8 @@ def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
 def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, char_policy,
                                                                 tmp_path):
     """One process -> 2 hybrid workers -> one process: each resume starts from the checkpoint's
-    weights (the engines serve them: its policy version) and continues the step count."""
-    from safetensors.torch import load_file
-
+    weights (the engines serve them: its policy version) and continues the step count. The
+    hybrid workers' checkpoint is sharded (a file per worker) and one process reads it."""
     from fastdraft.run.loop import train
     run_dir = tmp_path / "run"
     hybrid = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
@@ -107,11 +111,18 @@ def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, c
         try:
             assert run.start_step == steps - 1 and run.engine.policy_version == steps - 1
             if run.hybrid:   # every replica serves the checkpoint's masters
-                saved = load_file(str(run.checkpoints.latest() / "model" / "model.safetensors"))
+                with policy_weights(run.checkpoints.latest()) as policy:
+                    saved = load_file(str(policy / "model.safetensors"))
                 for worker in run.engine.workers:
                     served = _engine_weights(worker)
                     assert all(torch.equal(served[n], t) for n, t in saved.items())
             train(run)
+            latest = run.checkpoints.latest()
+            assert is_sharded(latest) == run.hybrid
+            if run.hybrid:   # each worker wrote its own shard, nothing else holds the weights
+                assert sorted(p.name for p in (latest / "actor").glob("*.distcp")) == [
+                    "__0_0.distcp", "__1_0.distcp"]
+                assert not list((latest / "model").glob("*.safetensors"))
         finally:
             run.close_after_failure()
     assert run.checkpoints.latest().name == "step-000003"
