@@ -20,6 +20,8 @@ A micro-batch holds micro_batch_tokens tokens, or one whole row when a row is lo
 (algo/sequences.py): tokens = max(micro_batch_tokens, the longest sequence).
 Host (rank 0): a checkpoint gathers the full fp32 masters and both AdamW moments there (12
 bytes a parameter) and writes them in the background; loading reads the checkpoint in fp32 (4).
+Hybrid workers write sharded checkpoints instead (checkpoint/sharded.py): each its own shard,
+from where it lies; nothing is gathered.
 """
 
 from __future__ import annotations
@@ -219,10 +221,11 @@ class RunPlan:
         update) and share one allocator's cache, so the larger of the two counts. Hybrid: any
         device's (on the CPU: the RAM's, every worker in it)."""
         engine, actor = self.engine, self.actor
-        if self.hybrid and self.on_cpu:   # every worker in one RAM, the KV cache kept
+        if self.hybrid and self.on_cpu:   # every worker in one RAM, the KV cache kept; the
+            # checkpoint written from each worker's shard in place (checkpoint/sharded.py)
             ranks = actor.shape.num_ranks
-            return (ranks * (engine.resident + actor.state) + actor.host
-                    + ranks * max(engine.step_scratch, actor.transient))
+            return ranks * (engine.resident + actor.state
+                            + max(engine.step_scratch, actor.transient))
         if self.hybrid:   # every device the same; the KV cache released while the actor updates
             return (engine.resident - engine.kv_cache + actor.state
                     + max(engine.kv_cache + engine.step_scratch, actor.transient))
@@ -264,8 +267,8 @@ class RunPlan:
         if self.hybrid:
             if self.on_cpu:
                 return [f"run memory plan ({ranks} hybrid workers, one RAM, {gb(device_bytes)} "
-                        f"usable): {ranks} x (engine replica + actor rank) + rank 0's "
-                        f"checkpoint snapshot {gb(self.device0_bytes)}"]
+                        f"usable): {ranks} x (engine replica + actor rank) "
+                        f"{gb(self.device0_bytes)}"]
             return [f"run memory plan ({ranks} hybrid workers, {ranks} devices of "
                     f"{gb(device_bytes)} usable): every device rolls out: engine replica + "
                     f"actor rank {gb(self.device0_bytes)} each (KV cache "

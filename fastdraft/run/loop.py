@@ -69,8 +69,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             _drafter_samples(run, batch, update.hidden, keep, items, completions, rewards)
     run.drafter.end_update()
     timer.lap("update")
-    run.push_weights()   # on the device, one tensor at a time
-    run.engine.advance_step()   # model-free drafters slide their window, budgets their history
+    # On the device, one tensor at a time; then the engines' step end (model-free drafters
+    # slide their window, budgets their history).
+    run.push_weights(advance_step=True)
     rollout_metrics = run.rollout_metrics(completions, rewards)
     drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(
         "rollout/accept_length"))   # health check, then the new drafter into the engine

@@ -137,13 +137,17 @@ class Run:
         # Written once the run is built: a refused or failed start leaves the last one as it was.
         dump_config(cfg, run_dir / "config.yaml")
 
-    def push_weights(self, version: int | None = None) -> int:
+    def push_weights(self, version: int | None = None, advance_step: bool = False) -> int:
         """The actor's weights into the rollout engine(s): hybrid workers each load their own
-        from the shards on the device; otherwise streamed from this process's gather. Returns
-        the engine's new policy version."""
+        from the shards on the device (advance_step: and end the engines' step, in the same
+        call); otherwise streamed from this process's gather. Returns the engine's new policy
+        version."""
         if self.hybrid:
-            return self.engine.sync_weights(version)
-        return self.engine.load_weights(self.actor.full_parameters(), version)
+            return self.engine.sync_weights(version, advance_step)
+        version = self.engine.load_weights(self.actor.full_parameters(), version)
+        if advance_step:
+            self.engine.advance_step()
+        return version
 
     def on_finish(self, completion: Completion) -> None:
         for hook in self.on_finish_hooks:

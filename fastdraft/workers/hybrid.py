@@ -42,6 +42,7 @@ class WeightSync:
     seconds: float
     nbytes: int
     devices: tuple[str, ...]
+    head: list[tuple[str, torch.Tensor]] | None = None   # worker 0's: the policy head (HEAD)
 
 
 def rendezvous() -> tuple[str, int]:
@@ -66,10 +67,11 @@ class HybridWorker(RolloutWorker):
         """ActorRank.<name>(*args): the driver's call of every rank (workers/ranks.py)."""
         return getattr(self.actor, name)(*args)
 
-    def sync_weights(self, version: int) -> WeightSync:
+    def sync_weights(self, version: int, advance_step: bool = False) -> WeightSync:
         """The actor's new weights into this worker's engine, on the device, one FSDP unit's
         all-gather at a time where the compute dtype allows (collective: every worker syncs at
-        once, the gathers pair up)."""
+        once, the gathers pair up). advance_step: the engine's step end too (the loop's, in
+        the same call). Worker 0's answer carries the policy head for the driver."""
         start = time.perf_counter()
         devices: set[str] = set()
         nbytes = 0
@@ -86,7 +88,10 @@ class HybridWorker(RolloutWorker):
             self.engine.load_weights(landing(), version)
         finally:
             gathered.finish()   # a failed load: the peers' gathers still pair up
-        return WeightSync(time.perf_counter() - start, nbytes, tuple(sorted(devices)))
+        if advance_step:
+            self.engine.advance_step()
+        return WeightSync(time.perf_counter() - start, nbytes, tuple(sorted(devices)),
+                          self.policy_head() if self.actor.rank == 0 else None)
 
     def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
                         ) -> tuple[float, float]:

@@ -277,16 +277,19 @@ class RolloutPool(HostFront):
         self.last_push_s = time.perf_counter() - start
         return version
 
-    def sync_weights(self, version: int | None = None) -> int:
+    def sync_weights(self, version: int | None = None, advance_step: bool = False) -> int:
         """Hybrid placement: every worker loads its engine from the actor's shards on its own
         device (workers/hybrid.py); the driver's host replica takes the policy head only (what
-        the online drafter's trainer reads). `timing/push_s` is this call's wall time."""
-        import ray
+        the online drafter's trainer reads), from worker 0's answer. advance_step: the
+        engines' step end in the same call (one round trip). `cluster/push_s` is this call's
+        wall time."""
         start = time.perf_counter()
         version = self.host.policy_version + 1 if version is None else version
-        self.last_syncs = get_all([w.sync_weights.remote(version) for w in self.workers],
-                                  "the weight sync")
-        self.host.load_weights(ray.get(self.workers[0].policy_head.remote()), version)
+        self.last_syncs = get_all([w.sync_weights.remote(version, advance_step)
+                                   for w in self.workers], "the weight sync")
+        self.host.load_weights(self.last_syncs[0].head or [], version)
+        if advance_step:
+            self.host.advance_step()
         self.last_push_s = time.perf_counter() - start
         return version
 
