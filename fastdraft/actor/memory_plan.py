@@ -210,6 +210,9 @@ class RunPlan:
     engine: EnginePlan
     actor: ActorPlan
     hybrid: bool = False
+    # hybrid: the online drafter's trainer members on the fullest device (on the CPU: all of
+    # them, one RAM), trainer/memory_plan.py
+    trainer: int = 0
 
     @property
     def on_cpu(self) -> bool:
@@ -225,9 +228,10 @@ class RunPlan:
             # checkpoint written from each worker's shard in place (checkpoint/sharded.py)
             ranks = actor.shape.num_ranks
             return ranks * (engine.resident + actor.state
-                            + max(engine.step_scratch, actor.transient))
+                            + max(engine.step_scratch, actor.transient)) + self.trainer
         if self.hybrid:   # every device the same; the KV cache released while the actor updates
-            return (engine.resident - engine.kv_cache + actor.state
+            # (the trainer member trains beside either)
+            return (engine.resident - engine.kv_cache + actor.state + self.trainer
                     + max(engine.kv_cache + engine.step_scratch, actor.transient))
         if self.on_cpu:   # every rank's process and rank 0's checkpoint snapshot in one RAM
             ranks = actor.shape.num_ranks
@@ -266,12 +270,14 @@ class RunPlan:
         ranks = self.actor.shape.num_ranks
         if self.hybrid:
             if self.on_cpu:
+                members = f" + drafter trainer {gb(self.trainer)}" if self.trainer else ""
                 return [f"run memory plan ({ranks} hybrid workers, one RAM, {gb(device_bytes)} "
-                        f"usable): {ranks} x (engine replica + actor rank) "
+                        f"usable): {ranks} x (engine replica + actor rank){members} "
                         f"{gb(self.device0_bytes)}"]
+            member = f" + drafter trainer member {gb(self.trainer)}" if self.trainer else ""
             return [f"run memory plan ({ranks} hybrid workers, {ranks} devices of "
                     f"{gb(device_bytes)} usable): every device rolls out: engine replica + "
-                    f"actor rank {gb(self.device0_bytes)} each (KV cache "
+                    f"actor rank{member} {gb(self.device0_bytes)} each (KV cache "
                     f"{gb(self.engine.kv_cache)} released for the update)"]
         if self.on_cpu:
             return [f"run memory plan (one RAM, {gb(device_bytes)} usable): engine + {ranks} "
@@ -284,7 +290,8 @@ class RunPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "actor": self.actor.as_dict(),
-                "hybrid": self.hybrid, "device0_bytes": self.device0_bytes,
+                "hybrid": self.hybrid, "trainer": self.trainer,
+                "device0_bytes": self.device0_bytes,
                 "engine_reserve": self.engine_reserve}
 
 

@@ -19,6 +19,7 @@ from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
+from fastdraft.trainer.memory_plan import TrainerPlan
 from fastdraft.trainer.online_drafter import trainer_aux_layers
 from fastdraft.utils.device_memory import GB, Capacity, host_memory
 
@@ -44,7 +45,23 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
         kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
                                getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
     actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)
-    return RunPlan(engine=engine, actor=actor, hybrid=cfg.cluster.placement == "hybrid")
+    hybrid = cfg.cluster.placement == "hybrid"
+    trainer = trainer_plan(cfg, model_config, engine.drafter_weights) if hybrid else None
+    members = cfg.cluster.rollout_workers if cfg.cluster.drafter_training == "data_parallel" else 1
+    on_cpu = engine.shape.device == "cpu"
+    return RunPlan(engine=engine, actor=actor, hybrid=hybrid,
+                   trainer=0 if trainer is None else trainer.total * (members if on_cpu else 1))
+
+
+def trainer_plan(cfg: RunConfig, model_config: ModelConfig, drafter_weights: int
+                 ) -> TrainerPlan | None:
+    """One online drafter trainer member's plan (None: no online drafter, or no drafter of
+    its own weights to train)."""
+    if not cfg.drafter.online.enabled or not drafter_weights:
+        return None
+    return TrainerPlan.of(model_config, cfg.drafter.online, drafter_weights,
+                          getattr(torch, cfg.model.dtype).itemsize,
+                          torch.device(cfg.model.device).type == "cpu")
 
 
 def node_capacity(device: str, device_gb: float | None) -> Capacity:

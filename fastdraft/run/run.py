@@ -334,21 +334,21 @@ def _actor_device(cfg: RunConfig, engine: Any) -> str:
 
 
 def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
-    """Where the online drafter trains: beside this process (local), or as a Ray actor on a
-    rollout worker's bundle and device (ray)."""
+    """Where the online drafter trains: beside this process (local); inside the hybrid
+    workers (their trainer members); else as Ray actors on the rollout workers' bundles and
+    devices (ray): the pool's trainer_placement."""
     if cfg.cluster.backend == "local":
         return {}
     if cfg.cluster.drafter_training == "data_parallel":
         from fastdraft.workers.trainer_group import TrainerGroup
-        members = [engine.trainer_options(k) for k in range(cfg.cluster.rollout_workers)]
+        members = [engine.trainer_placement(k) for k in range(cfg.cluster.rollout_workers)]
         return {"device": engine.device,
                 "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
                                                                            stats, members)}
     from fastdraft.workers.trainer_actor import RayTrainer
-    options = engine.trainer_options()
     return {"device": engine.device,
-            "start_trainer": lambda setup, online, stats: RayTrainer(setup, online, stats,
-                                                                     options)}
+            "start_trainer": lambda setup, online, stats: RayTrainer(
+                setup, online, stats, engine.trainer_placement())}
 
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,

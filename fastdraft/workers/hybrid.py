@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from fastdraft.actor.rank import ActorRank, ActorSpec
@@ -27,6 +28,7 @@ from fastdraft.actor.sharding import free_port
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
+from fastdraft.workers.trainer_actor import TRAINER
 
 #: The policy tensors the driver's host replica takes after a sync: what the online drafter's
 #: trainer reads of the policy (its embedding and head).
@@ -59,9 +61,32 @@ class HybridWorker(RolloutWorker):
         super().__init__(make_engine, device, threads)
         self.release_kv = device.startswith("cuda") if release_kv is None else release_kv
         self.checkpoints: CheckpointManager | None = None   # worker 0's writes
+        self.member: Any = None   # the online drafter's trainer member (start_member)
         # Ray gives a GPU worker one GPU, which it sees as cuda:0; the engine has it too.
         self.actor = ActorRank(spec, rank, "cuda:0" if spec.device.startswith("cuda")
                                else None)
+
+    # ------------------------------------------------------------- the drafter trainer member
+    # Calls on the TRAINER thread (workers/trainer_actor.InWorker): beside a running generate
+    # or update, in the order made. Its training thread computes on this worker's device.
+    @ray.method(concurrency_group=TRAINER)
+    def start_member(self, body: type, setup: Any, *args: Any) -> None:
+        """The online drafter's trainer member here (a TrainerActor or a data-parallel
+        GroupMember: workers/trainer_group.py); one that was here ends first (a restart)."""
+        self.stop_member()
+        self.member = body(setup, *args)
+
+    @ray.method(concurrency_group=TRAINER)
+    def member_call(self, method: str, *args: Any) -> Any:
+        if self.member is None:
+            raise RuntimeError(f"member_call({method!r}): this worker has no trainer member")
+        return getattr(self.member, method)(*args)
+
+    @ray.method(concurrency_group=TRAINER)
+    def stop_member(self) -> None:
+        if self.member is not None:
+            self.member.stop()
+            self.member = None
 
     def rank_call(self, name: str, args: tuple) -> Any:
         """ActorRank.<name>(*args): the driver's call of every rank (workers/ranks.py)."""

@@ -56,6 +56,7 @@ from fastdraft.workers.rollout_worker import (
     RolloutWorker,
     WorkerRollout,
 )
+from fastdraft.workers.trainer_actor import TRAINER, InWorker, OwnActor, Placement
 
 OnFinish = Callable[[Completion], None]
 #: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
@@ -120,7 +121,8 @@ class RolloutPool(HostFront):
         return self.actor is not None
 
     def _start(self, index: int) -> Any:
-        share = 1 - TRAINER_GPU_SHARE - (ACTOR_GPU_SHARE if self.colocated else 0.0)
+        share = (1.0 if self.actor is not None   # hybrid: the trainer member is inside it
+                 else 1 - TRAINER_GPU_SHARE - (ACTOR_GPU_SHARE if self.colocated else 0.0))
         cls = self._remote_class().options(
             num_cpus=self.bundle["CPU"], **self._in_bundle(index, share),
             name=None, max_restarts=0)
@@ -164,15 +166,17 @@ class RolloutPool(HostFront):
                                  "cluster.placement=colocated")
         return {"num_cpus": 0, **self._in_bundle(rank, ACTOR_GPU_SHARE)}
 
-    def trainer_options(self, index: int | None = None) -> dict[str, Any]:
-        """Where an online drafter's trainer actor goes (workers/trainer_actor.py): worker
-        `index`'s bundle (a data-parallel member each; default: the last worker's), no cores
-        of its own. That worker's device is the trainer's (on a GPU node its GPU, shared with
-        the worker), and the last worker is the first to go idle under `concentrate` dispatch
-        (it holds the shortest groups): the trainer is promoted when a worker's share is
-        done, and trains beside the tail of the others."""
+    def trainer_placement(self, index: int | None = None) -> Placement:
+        """Where the online drafter's trainer (or data-parallel member `index`) runs: inside
+        hybrid worker `index` (its member: the worker's process and device, no process or
+        device context of its own), else a Ray actor on that worker's bundle and device, no
+        cores of its own. The last worker (the default) is the first to go idle under
+        `concentrate` dispatch (it holds the shortest groups): its trainer trains beside the
+        tail of the others."""
         index = len(self.workers) - 1 if index is None else index
-        return {"num_cpus": 0, **self._in_bundle(index, TRAINER_GPU_SHARE)}
+        if self.actor is not None:
+            return InWorker(self.workers[index])
+        return OwnActor({"num_cpus": 0, **self._in_bundle(index, TRAINER_GPU_SHARE)})
 
     def _in_bundle(self, index: int, gpu_share: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -183,8 +187,10 @@ class RolloutPool(HostFront):
     def _remote_class(self) -> Any:
         import ray
         # accept / peers run on a thread of their own, beside the running generate.
-        return ray.remote(concurrency_groups={HANDOFF: 1})(
-            RolloutWorker if self.actor is None else HybridWorker)
+        if self.actor is None:
+            return ray.remote(concurrency_groups={HANDOFF: 1})(RolloutWorker)
+        # a hybrid worker: its trainer member's calls on a thread of their own too
+        return ray.remote(concurrency_groups={HANDOFF: 1, TRAINER: 1})(HybridWorker)
 
     # --------------------------------------------------------------------- the engine's face
     @property

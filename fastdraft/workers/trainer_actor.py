@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +37,7 @@ from fastdraft.trainer.worker import STARTUP_GRACE_S, device_stream
 from fastdraft.utils.objects import resolved
 from fastdraft.utils.process import run_when_idle
 
+TRAINER = "trainer"   # a hybrid worker's concurrency group of its trainer member's calls
 SEND_EVERY = 64   # calls held at most before they are sent as one
 FEED = ("add", "add_many", "set_reward", "advance_step", "sync_policy")   # what `apply` takes
 
@@ -51,13 +52,14 @@ class TrainerActor:
         self._idle = threading.Event()   # set while the training thread is between steps
         self._idle.set()
         self._gate = threading.Lock()    # a micro-step starts only while `go` is still set
+        self.stopped = threading.Event()   # the member inside a hybrid worker is done
         # A daemon: it ends with the actor's process (ray.kill), between micro-steps or not.
         threading.Thread(target=self._train, name="drafter-trainer", daemon=True).start()
 
     def _train(self) -> None:
         run_when_idle()   # the micro-steps take only CPU time the workers leave
         with device_stream(self.device):
-            while True:
+            while not self.stopped.is_set():
                 if not self._go.wait(timeout=0.1):
                     continue
                 with self._gate:
@@ -71,6 +73,12 @@ class TrainerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def stop(self) -> None:
+        """Ends the training thread after its micro-step (a member inside a hybrid worker,
+        whose process lives on); a pause first."""
+        self.pause(time.perf_counter())
+        self.stopped.set()
 
     def apply(self, calls: list[tuple[str, tuple]]) -> None:
         """The service's methods that answer nothing (FEED), in the order the loop made them;
@@ -97,22 +105,78 @@ class TrainerActor:
         return self.service.state()
 
 
+class TrainerHost(Protocol):
+    """Where a trainer body (TrainerActor or a data-parallel member) runs, as the loop's
+    handle calls it: each call is a Ray call answered in the order made."""
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The body's `method(*args)`; its future."""
+
+    def end(self) -> None:
+        """The body gone (its process killed, or its thread stopped), not waited for."""
+
+
+class OwnActor:
+    """A trainer body in a Ray actor of its own; options: where Ray places it (the pool's
+    trainer_placement: a rollout worker's bundle, no cores of its own)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+    def start(self, body: type, setup: TrainerSetup, args: tuple) -> OwnActor:
+        import ray
+        self.actor = ray.remote(body).options(max_restarts=0, **self.options).remote(
+            setup, *args)
+        return self
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.actor, method).remote(*args)
+
+    def end(self) -> None:
+        import ray
+        if ray.is_initialized():   # else Ray went down already, and the actor with it
+            ray.kill(self.actor, no_restart=True)
+
+
+class InWorker:
+    """A trainer body inside a hybrid worker's process (workers/hybrid.py: its trainer
+    member), on that worker's device, its calls on a thread of their own beside the
+    worker's generate and update (the worker's TRAINER concurrency group)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def start(self, body: type, setup: TrainerSetup, args: tuple) -> InWorker:
+        self.worker.start_member.options(concurrency_group=TRAINER).remote(body, setup, *args)
+        return self
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.worker.member_call.options(concurrency_group=TRAINER).remote(method, *args)
+
+    def end(self) -> None:
+        import ray
+        if ray.is_initialized():
+            self.worker.stop_member.options(concurrency_group=TRAINER).remote()
+
+
+Placement = OwnActor | InWorker
+
+
 class RayTrainer(TrainerHandle):
-    """The loop's handle on a TrainerActor; `options`: where Ray places it (the pool's
-    trainer_options: a rollout worker's bundle). body, args: the actor's class and its
-    arguments after the setup (a data-parallel member: workers/trainer_group.py)."""
+    """The loop's handle on a TrainerActor; `where`: its own Ray actor (OwnActor: on a rollout
+    worker's bundle) or a hybrid worker's member (InWorker). body, args: the body's class and
+    its arguments after the setup (a data-parallel member: workers/trainer_group.py)."""
 
     def __init__(self, setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats,
-                 options: dict[str, Any], body: type = TrainerActor, args: tuple = ()) -> None:
-        import ray
+                 where: Placement, body: type = TrainerActor, args: tuple = ()) -> None:
         super().__init__(stats)
         self.reply_timeout_s = cfg.reply_timeout_s
-        self.actor = ray.remote(body).options(max_restarts=0, **options).remote(setup, *args)
+        self.host: TrainerHost = where.start(body, setup, args)
         self._pending: list[tuple[str, tuple]] = []
         self._going = False
         self._pausing: Any = None   # the future of a pause not waited for yet
         self._dead: str | None = None
-        self.pid = self._get(self.actor.pid.remote(), "pid", STARTUP_GRACE_S)
+        self.pid = self._get(self.host.call("pid"), "pid", STARTUP_GRACE_S)
 
     @property
     def alive(self) -> bool:
@@ -186,16 +250,14 @@ class RayTrainer(TrainerHandle):
         return self._get(self._call("state"), "state")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        import ray
         self.closed = True
-        if ray.is_initialized():   # else Ray went down already, and the actor with it
-            ray.kill(self.actor, no_restart=True)
+        self.host.end()
 
     # calls
     def _send(self) -> None:
         calls, self._pending = self._pending, []
         if calls and self.alive:
-            self.actor.apply.remote(calls)
+            self.host.call("apply", calls)
 
     def _call(self, method: str, *args: Any) -> Any:
         """The actor's `method` after the calls held (Ray runs an actor's calls in the order
@@ -203,7 +265,7 @@ class RayTrainer(TrainerHandle):
         if not self.alive:
             return None
         self._send()
-        return getattr(self.actor, method).remote(*args)
+        return self.host.call(method, *args)
 
     def _get(self, future: Any, method: str, grace_s: float = 0.0) -> Any:
         import ray

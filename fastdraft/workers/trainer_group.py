@@ -35,7 +35,7 @@ from fastdraft.trainer.service import TrainerHandle, TrainerSetup
 from fastdraft.trainer.spot import Published, SpotStats
 from fastdraft.trainer.worker import device_stream
 from fastdraft.utils.process import run_when_idle
-from fastdraft.workers.trainer_actor import RayTrainer, TrainerActor
+from fastdraft.workers.trainer_actor import Placement, RayTrainer, TrainerActor
 
 
 class GroupMember(TrainerActor):
@@ -72,7 +72,7 @@ class GroupMember(TrainerActor):
         try:
             run_when_idle()
             with device_stream(self.device):
-                while True:
+                while not self.stopped.is_set():
                     # Every round this member was told of, in order: its other members form
                     # each of them too, so no one waits for a member that skipped one.
                     with self._gate:
@@ -118,16 +118,16 @@ class TrainerGroup(TrainerHandle):
     per_worker = True   # every idle worker is promoted, not only the first
 
     def __init__(self, setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats,
-                 options: list[dict[str, Any]]) -> None:
+                 places: list[Placement]) -> None:
         import ray
         super().__init__(stats)
         host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         address = (host, self.store.port)
         self.members = [
-            RayTrainer(_member_setup(setup, k), cfg, stats if k == 0 else SpotStats(), opts,
+            RayTrainer(_member_setup(setup, k), cfg, stats if k == 0 else SpotStats(), where,
                        body=GroupMember, args=(k, address, cfg.reply_timeout_s))
-            for k, opts in enumerate(options)]
+            for k, where in enumerate(places)]
         self.pid = self.members[0].pid
         self.version = int((setup.state or {}).get("version", 0))
         self.round = 0

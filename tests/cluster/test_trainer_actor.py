@@ -40,8 +40,8 @@ def _thread_nices(pid: int) -> list[int]:
 
 
 def _ray_trainer(setup: TrainerSetup):
-    from fastdraft.workers.trainer_actor import RayTrainer
-    return RayTrainer(setup, CFG, SpotStats(), {"num_cpus": 0})
+    from fastdraft.workers.trainer_actor import OwnActor, RayTrainer
+    return RayTrainer(setup, CFG, SpotStats(), OwnActor({"num_cpus": 0}))
 
 
 def test_the_ray_trainer_trains_exactly_as_the_local_process(local_ray, tiny_checkpoint):

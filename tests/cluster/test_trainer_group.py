@@ -24,10 +24,11 @@ pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 @pytest.fixture
 def started(local_ray, tiny_checkpoint):
     """A group of two members on the local Ray cluster, told of step 1 and fed 12 samples."""
+    from fastdraft.workers.trainer_actor import OwnActor
     from fastdraft.workers.trainer_group import TrainerGroup
     policy, drafter = _setup(tiny_checkpoint)
     group = TrainerGroup(_trainer_setup(policy, drafter), CFG, SpotStats(),
-                         [{"num_cpus": 0}, {"num_cpus": 0}])
+                         [OwnActor({"num_cpus": 0}), OwnActor({"num_cpus": 0})])
     try:
         group.advance_step()
         group.sync_policy(policy.named_parameters())

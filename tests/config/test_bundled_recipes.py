@@ -107,6 +107,29 @@ def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, cap
     assert cfg.cluster.rollout_workers == 8 and cfg.cluster.placement == "hybrid"
 
 
+@pytest.mark.parametrize("training", ["one", "data_parallel"])
+def test_the_8b_recipe_with_online_training_counts_the_trainer_member_on_each_device(
+        tmp_path, capsys, training):
+    """Hybrid workers: the online drafter's trainer member is inside a worker, on its device:
+    the drafter's fp32 state with AdamW (16 bytes a parameter), the policy head it reads and a
+    micro-step's [tokens, vocab] fp32 logits, target and gradient."""
+    plans, paths = {}, _local_paths(tmp_path, QWEN3_8B)
+    for online in ("false", "true"):
+        plan_file = tmp_path / f"plan-{online}.json"
+        assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", "--json",
+                        str(plan_file), f"drafter.online.enabled={online}",
+                        f"cluster.drafter_training={training}", *paths) == 0
+        plans[online] = json.loads(plan_file.read_text())
+    out = capsys.readouterr().out
+    assert "+ drafter trainer member" in out
+    vocab, hidden = QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"]
+    params = plans["true"]["engine"]["drafter_weights"] // 2   # bf16
+    member = 16 * params + 2 * vocab * hidden * 2 + 3 * 2048 * vocab * 4
+    assert plans["false"]["trainer"] == 0 and plans["true"]["trainer"] == member
+    assert plans["true"]["device0_bytes"] == plans["false"]["device0_bytes"] + member
+    assert plans["true"]["device0_bytes"] <= plans["true"]["usable_bytes"]
+
+
 def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
     paths = _local_paths(tmp_path, QWEN3_8B)
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,

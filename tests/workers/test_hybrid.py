@@ -126,3 +126,36 @@ def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, c
         finally:
             run.close_after_failure()
     assert run.checkpoints.latest().name == "step-000003"
+
+
+@pytest.mark.xdist_group("ray")
+@pytest.mark.parametrize("training", ["one", "data_parallel"])
+def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_policy,
+                                                             char_drafter, tmp_path, training):
+    """The drafter's trainer is a member inside a hybrid worker (one: the last worker's;
+    data_parallel: every worker's), in the worker's own process: no process of its own. It
+    trains in the tail and the update, and every step serves a newer drafter."""
+    import ray
+
+    from fastdraft.observability.metrics import read_metrics
+    from fastdraft.run.loop import train
+    from fastdraft.workers.trainer_group import TrainerGroup
+    from tests.rl.test_drafter_resilience import ONLINE
+    run = Run(_cfg(char_policy, *HYBRID, *ONLINE, f"drafter.path={char_drafter}",
+                   f"cluster.drafter_training={training}", "algorithm.num_steps=3",
+                   "rollout.prompts_per_step=3", "rollout.max_new_tokens=64",
+                   "rollout.max_batch_size=4", "drafter.online.min_steps_per_step=1"),
+              tmp_path / "run")
+    try:
+        workers = ray.get([w.pid.remote() for w in run.engine.workers])
+        trainer = run.drafter.worker
+        members = trainer.members if isinstance(trainer, TrainerGroup) else [trainer]
+        assert [m.pid for m in members] == (workers if training == "data_parallel"
+                                            else workers[-1:])
+        train(run)
+    finally:
+        run.close_after_failure()
+    rows = read_metrics(tmp_path / "run")
+    versions = [r["drafter/version"] for r in rows]
+    assert versions == sorted(set(versions)) and versions[-1] > 0
+    assert sum(r["drafter/train_tokens_on_idle"] for r in rows) > 0
