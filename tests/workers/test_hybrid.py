@@ -134,7 +134,8 @@ def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_
                                                              char_drafter, tmp_path, training):
     """The drafter's trainer is a member inside a hybrid worker (one: the last worker's;
     data_parallel: every worker's), in the worker's own process: no process of its own. It
-    trains in the tail and the update, and every step serves a newer drafter."""
+    trains in the tail and the update, and every step serves a newer drafter. At the end the
+    drafter is exported against the policy of the workers' sharded checkpoint."""
     import ray
 
     from fastdraft.observability.metrics import read_metrics
@@ -143,6 +144,7 @@ def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_
     from tests.rl.test_drafter_resilience import ONLINE
     run = Run(_cfg(char_policy, *HYBRID, *ONLINE, f"drafter.path={char_drafter}",
                    f"cluster.drafter_training={training}", "algorithm.num_steps=3",
+                   "drafter.export=true",
                    "rollout.prompts_per_step=3", "rollout.max_new_tokens=64",
                    "rollout.max_batch_size=4", "drafter.online.min_steps_per_step=1"),
               tmp_path / "run")
@@ -159,3 +161,5 @@ def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_
     versions = [r["drafter/version"] for r in rows]
     assert versions == sorted(set(versions)) and versions[-1] > 0
     assert sum(r["drafter/train_tokens_on_idle"] for r in rows) > 0
+    exported = [p for p in (tmp_path / "run" / "export").iterdir() if p.is_dir()]
+    assert exported and all(any(p.glob("*.safetensors")) for p in exported)
