@@ -6,11 +6,9 @@
 """
 
 from fastdraft.config import RunConfig, load_recipe
+from fastdraft.config.engine import BudgetConfig, SpecConfig, TunerConfig
 from fastdraft.engine import Completion, FinishReason, RolloutEngine, SamplingParams
 from fastdraft.engine.buckets import BucketPlan
-from fastdraft.engine.spec.budget import BudgetConfig
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import TunerConfig
 
 __version__ = "0.1.0"
 __all__ = ["BucketPlan", "BudgetConfig", "Completion", "FinishReason", "RolloutEngine", "RunConfig",

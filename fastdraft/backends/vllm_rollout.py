@@ -33,10 +33,10 @@ from safetensors.torch import save
 
 from fastdraft.backends.vllm_stats import spec_stats_of
 from fastdraft.backends.vllm_worker import serve_positions
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.host_front import HostFront
 from fastdraft.engine.request import FinishReason
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError

@@ -30,14 +30,13 @@ from fastdraft.bench.common import device_name, print_table, write_json
 from fastdraft.bench.real_shapes import random_drafter, random_policy
 from fastdraft.bench.row_costs import row_costs, summary_line
 from fastdraft.bench.step_costs import stage_costs
+from fastdraft.config.engine import KV_BLOCK_SIZE, SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.graphs import GraphPool
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.engine.request import make_requests
 from fastdraft.engine.scheduler import Scheduler
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.step_io import SamplingMode
 from fastdraft.errors import FastdraftError

@@ -32,10 +32,10 @@ from fastdraft.bench.common import write_json
 from fastdraft.bench.concurrency import DEFAULT_TRACE, concurrency
 from fastdraft.bench.rollout_bench import recipe_batch, recipe_params
 from fastdraft.config import load_recipe
+from fastdraft.config.engine import KV_BLOCK_SIZE
 from fastdraft.engine import RolloutEngine
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM
 from fastdraft.run.inputs import rollout_seq_len

@@ -27,10 +27,9 @@ from fastdraft.bench.common import write_json
 from fastdraft.bench.row_costs import row_costs
 from fastdraft.bench.row_costs import summary_line as row_summary
 from fastdraft.config import RunConfig, load_recipe
+from fastdraft.config.engine import OFF, SpecConfig, arm_name
 from fastdraft.data.prompts import PromptSource
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import OFF, arm_name
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError
 from fastdraft.run.inputs import resolve_drafter, resolve_policy, rollout_seq_len

@@ -19,8 +19,8 @@ import torch
 
 from fastdraft.bench.common import device_name, interleaved_medians, print_table, write_json
 from fastdraft.bench.step_costs import stage_costs
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.errors import FastdraftError
 

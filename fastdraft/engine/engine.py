@@ -20,6 +20,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from fastdraft.config.engine import (
+    KV_BLOCK_SIZE,
+    OFF,
+    BudgetConfig,
+    SpecConfig,
+    TunerConfig,
+    arm_name,
+)
 from fastdraft.engine.buckets import BucketPlan
 from fastdraft.engine.capture import (
     HiddenSink,
@@ -36,18 +44,16 @@ from fastdraft.engine.memory_plan import (
 )
 from fastdraft.engine.migration import Handoff, Inbox, MigratedRequest
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
 from fastdraft.engine.plain_step import PlainSteps
 from fastdraft.engine.request import Completion, Request, generation_eos, make_requests
 from fastdraft.engine.sampling_params import SamplingParams
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler, SlotMove
 from fastdraft.engine.sleep import Released
-from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.budget import LengthBudget
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.setup import make_proposer
 from fastdraft.engine.spec.stats import SpecStats
-from fastdraft.engine.spec.tuner import OFF, TunerConfig, arm_name, check_tuner
+from fastdraft.engine.spec.tuner import check_tuner
 from fastdraft.engine.spec_step import SpeculativeStep
 from fastdraft.engine.step_io import StepIO
 from fastdraft.engine.trace import RolloutTrace

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from fastdraft.errors import FastdraftError
 
 if TYPE_CHECKING:
-    from fastdraft.engine.spec.config import SpecConfig
+    from fastdraft.config.engine import SpecConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fastdraft.config.engine import SpecConfig
     from fastdraft.engine.engine import RolloutEngine
-    from fastdraft.engine.spec.config import SpecConfig
     from fastdraft.models import CausalLM, ModelConfig
 
 

@@ -40,12 +40,12 @@ from pathlib import Path
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import Drafter, build_drafter
 from fastdraft.drafter.checkpoint import CONFIG_FILE
 from fastdraft.engine.capture import forward_aux_layers
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.rng import Stream
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.utils.device_memory import GIB, Capacity, device_capacity, gb

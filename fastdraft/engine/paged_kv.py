@@ -19,9 +19,9 @@ from fastdraft.engine.scheduler import SlotMove
 from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 
-# Cells per block: vLLM's and SGLang's default page sizes are 16 and 1; 16 keeps a table row
-# short (cache_len / 16 entries to gather) while a request wastes under 16 cells at its end.
-KV_BLOCK_SIZE = 16
+# Cells per block (KV_BLOCK_SIZE, config/engine.py): vLLM's and SGLang's default page sizes
+# are 16 and 1; 16 keeps a table row short (cache_len / 16 entries to gather) while a request
+# wastes under 16 cells at its end.
 
 
 def kv_blocks_in(gigabytes: float | None, cfg: ModelConfig, dtype: torch.dtype,

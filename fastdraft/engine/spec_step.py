@@ -5,12 +5,12 @@ pool, buckets and budget; engine/engine.py owns them and the rest of the step.""
 
 from __future__ import annotations
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.capture import commit_starts
 from fastdraft.engine.draws import accept_tree, sample_next
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.request import Request
 from fastdraft.engine.scheduler import Phase, ScheduledBatch, Scheduler
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.step_io import SamplingMode
 
 

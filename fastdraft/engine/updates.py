@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.sleep import Released
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.errors import FastdraftError
 from fastdraft.models import load_named_tensors
 from fastdraft.utils.digest import tensor_digest

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.engine import RolloutEngine
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.trainer.spot import Published
 
 #: Accept length at or below this, over HEALTH_WINDOW steps, means the drafter is broken.

@@ -33,11 +33,11 @@ from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.node_checks import check_nodes
 from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.cluster.reserve import reserve
+from fastdraft.config.engine import SpecConfig
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.host_front import HostFront
 from fastdraft.engine.request import prompt_key
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.databuffer import Sample
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
 from fastdraft.engine.capture import HiddenRecord
 from fastdraft.engine.migration import Inbox, MigratedRequest
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
 

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from fastdraft.bench.row_costs import row_costs, summary_line
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.model_runner import ModelRunner
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import load_model
 
 

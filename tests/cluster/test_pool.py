@@ -14,9 +14,9 @@ from functools import partial
 import pytest
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.config.sections import ClusterConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
 
 ray = pytest.importorskip("ray")
 

@@ -9,8 +9,8 @@ from functools import partial
 
 import pytest
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
 
 pytest.importorskip("ray")   # the worker's methods carry Ray's concurrency annotations
 

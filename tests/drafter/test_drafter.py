@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import build_drafter, load_drafter, save_drafter
 from fastdraft.drafter.losses import (
     DEFAULT_NUM_STEPS,
@@ -24,7 +25,6 @@ from fastdraft.drafter.warmup import (
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.request import Request
 from fastdraft.engine.sampling_params import SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.step_io import SamplingMode, StepIO
 from fastdraft.models import HiddenStates, load_model

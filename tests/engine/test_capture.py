@@ -39,7 +39,8 @@ def test_records_pair_every_committed_token_with_the_hidden_state_before_it(
     path, _ = tiny_checkpoint
     kw = {}
     if method == "eagle+budget":
-        from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
+        from fastdraft.config.engine import BudgetConfig
+        from fastdraft.engine.spec.budget import LengthBudget
         rng = random.Random(2)
         monkeypatch.setattr(LengthBudget, "speculating",
                             lambda self, remaining: [rng.random() < 0.5 for _ in remaining])

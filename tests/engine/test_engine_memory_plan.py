@@ -15,10 +15,10 @@ from torch.utils._pytree import tree_flatten
 import fastdraft.engine.engine as engine_module
 import fastdraft.engine.memory_plan as memory_plan
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, check_engine_plan, plan_engine
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import ModelConfig, load_model
 from fastdraft.utils.device_memory import GB, Capacity
 from tests.conftest import make_tiny_checkpoint

@@ -1,7 +1,7 @@
 import pytest
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.envelope import Envelope
-from fastdraft.engine.spec.config import SpecConfig
 
 
 def test_every_size_derives_from_the_largest_tree():

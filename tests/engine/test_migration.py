@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.engine.capture import HiddenRecord
 from fastdraft.engine.migration import Inbox, MigratedRequest
 from fastdraft.engine.request import Completion
 from fastdraft.engine.scheduler import Scheduler
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.models import load_model
 from tests.conftest import make_tiny_checkpoint

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.paged_kv import PagedKV
 from fastdraft.engine.scheduler import SlotMove
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import ModelConfig
 
 EAGLE = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
@@ -164,7 +164,7 @@ _TRITON_STEPS = """
 import json, sys
 import torch
 from fastdraft.engine import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.config.engine import SpecConfig
 g = torch.Generator().manual_seed(4)
 prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
 params = SamplingParams(greedy=True, max_new_tokens=14, ignore_eos=True)
@@ -216,7 +216,7 @@ import torch
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.config.engine import SpecConfig
 from fastdraft.models import load_model
 from tests.engine.test_verify_split import _tree
 rng = random.Random(0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.prefix_share import SharedPrefill
-from fastdraft.engine.spec.config import SpecConfig
 
 
 def test_distinct_prompts_in_first_seen_order():

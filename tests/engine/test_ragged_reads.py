@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fastdraft.engine.ragged_reads as ragged
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.ragged_reads import CHUNK_COST, MAX_CHUNKS, _cuts, plan_reads
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import KVView, ModelConfig, causal_cache_meta
 from fastdraft.models.layers import Attention
 from fastdraft.models.rope import RotaryEmbedding

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.sleep import Released
-from fastdraft.engine.spec.config import SpecConfig
 
 SPEC = SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=6)
 

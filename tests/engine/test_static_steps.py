@@ -12,9 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig, TunerBucket, TunerConfig, parse_arm
 from fastdraft.engine.buckets import BucketPlan
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
 from fastdraft.engine.step_io import StepIO
 
 aten = torch.ops.aten

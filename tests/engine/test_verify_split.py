@@ -9,10 +9,10 @@ import random
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.tree import ROOT, DraftTree
 from fastdraft.models import load_model
 

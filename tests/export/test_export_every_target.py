@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import drafter_layer_config
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.export import check_export, export_drafter, load_exported_drafter
 from tests.conftest import make_tiny_checkpoint
 from tests.export.conftest import MAX_POSITIONS, assert_same_steps, load_policy, saved_drafter

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.config.engine import SpecConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -52,7 +52,7 @@ def test_cuda_speculative_greedy_with_graphs_equals_plain_greedy(tiny_checkpoint
 def test_cuda_graphs_with_an_arm_switch_every_step_equal_plain_greedy(tiny_checkpoint,
                                                                      random_drafter):
     """The tuner's per-step configs (off included, the drafter fed on plain steps) as graphs."""
-    from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
+    from fastdraft.config.engine import TunerBucket, TunerConfig, parse_arm
     path, _ = tiny_checkpoint
     params = SamplingParams(greedy=True, max_new_tokens=24)
     plain = _engine(path, graphs=False).generate(_prompts(), params)
@@ -73,7 +73,8 @@ def test_cuda_graphs_with_split_steps_equal_plain_greedy(tiny_checkpoint, random
     lowest slots, a packed verify beside plain rows, two drafter commits)."""
     import random
 
-    from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
+    from fastdraft.config.engine import BudgetConfig
+    from fastdraft.engine.spec.budget import LengthBudget
     rng = random.Random(5)
     monkeypatch.setattr(LengthBudget, "speculating",
                         lambda self, remaining: [rng.random() < 0.5 for _ in remaining])

@@ -13,10 +13,10 @@ import torch
 from fastdraft.actor.memory_plan import ActorPlan, RunPlan, check_run_plan
 from fastdraft.algo.logprobs import logprobs_of, next_token_logits
 from fastdraft.bench.real_shapes import shape_config
+from fastdraft.config.engine import SpecConfig
 from fastdraft.config.sections import ActorConfig
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import CausalLM, ModelConfig
 from fastdraft.utils.device_memory import GB, Capacity
 

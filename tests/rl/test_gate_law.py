@@ -15,8 +15,8 @@ from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.algo.gate import GateTolerance, LosslessGateError, check_gate
 from fastdraft.algo.sequences import build_batch
 from fastdraft.algo.token_stats import token_stats
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine import draws
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.models import load_model
 
 PROMPTS = [[3 + i % 7, 5, 2 + i % 11] for i in range(64)]

@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdraft.algo.advantages import (
-    advantage_aggregation,
-    advantage_defaults,
-    available_advantages,
-)
-from fastdraft.algo.policy_loss import (
-    available_aggregations,
-    available_policy_losses,
-    policy_loss_defaults,
-)
 from fastdraft.config.sections.common import require as _require
 from fastdraft.errors import FastdraftError
 
@@ -52,11 +43,18 @@ class GateSection:
         _require(self.law_min_tokens >= 1, "algorithm.gate.law_min_tokens must be >= 1")
 
 
-# What the registered estimators and losses take (their functions' keyword options): a value
-# set for one that does not take it would do nothing, so it is an error.
-_REGISTRIES = {"advantage": (available_advantages, advantage_defaults),
-               "loss": (available_policy_losses, policy_loss_defaults)}
 _OPTION_OWNERS = {"scale_std": "advantage", "clip_high": "loss"}   # field -> its registry
+
+
+def _registries() -> dict[str, tuple[Callable[[], list[str]], Callable[[str], dict]]]:
+    """What the registered estimators and losses take (their functions' keyword options): a
+    value set for one that does not take it would do nothing, so it is an error. The
+    registries (algo/, torch code) are looked up when a config is checked, not imported with
+    this module: users register their own there before building a config."""
+    from fastdraft.algo.advantages import advantage_defaults, available_advantages
+    from fastdraft.algo.policy_loss import available_policy_losses, policy_loss_defaults
+    return {"advantage": (available_advantages, advantage_defaults),
+            "loss": (available_policy_losses, policy_loss_defaults)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,10 +87,14 @@ class AlgorithmConfig:
                  "and clip_eps in (0, 1)")
         _require(self.clip_high is None or self.clip_high >= 0,
                  "algorithm.clip_high must be >= 0")
-        taken = {kind: _options(kind, getattr(self, kind)) for kind in _REGISTRIES}
+        from fastdraft.algo.advantages import advantage_aggregation
+        from fastdraft.algo.policy_loss import available_aggregations
+        registries = _registries()
+        taken = {kind: _options(registries[kind][1], kind, getattr(self, kind))
+                 for kind in registries}
         for name, kind in _OPTION_OWNERS.items():
             if getattr(self, name) is not None and name not in taken[kind]:
-                names, defaults = _REGISTRIES[kind]
+                names, defaults = registries[kind]
                 takers = [n for n in names() if name in defaults(n)]
                 raise FastdraftError(
                     f"algorithm.{name} does nothing with algorithm.{kind}: {getattr(self, kind)} "
@@ -109,10 +111,10 @@ class AlgorithmConfig:
                  "algorithm.aggregation, or choose another advantage")
 
 
-def _options(kind: str, name: str) -> dict[str, Any]:
+def _options(defaults: Callable[[str], dict], kind: str, name: str) -> dict[str, Any]:
     """The keyword options (with defaults) of the registered `kind` called `name`."""
     try:
-        return _REGISTRIES[kind][1](name)
+        return defaults(name)
     except ValueError as err:
         raise FastdraftError(f"algorithm.{kind}: {err}") from None
 

@@ -6,7 +6,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS
 from fastdraft.config.sections.common import DTYPES
 from fastdraft.config.sections.common import require as _require
 from fastdraft.errors import FastdraftError
@@ -27,6 +26,7 @@ class PolicyConfig:
         _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"model.device must be cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        from fastdraft.bootstrap.spec import BOOTSTRAP_SPECS  # the registry, when checked
         _require(self.bootstrap in BOOTSTRAP_SPECS, f"model.bootstrap must be one of "
                  f"{BOOTSTRAP_SPECS.names()} (a bootstrap policy's spec), got {self.bootstrap!r}")
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fastdraft.config.engine import KV_BLOCK_SIZE, BudgetConfig, SpecConfig, TunerConfig
 from fastdraft.config.sections.common import require as _require
-from fastdraft.engine.paged_kv import KV_BLOCK_SIZE
-from fastdraft.engine.spec.budget import BudgetConfig
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import TunerConfig
 from fastdraft.errors import FastdraftError
 
 

@@ -18,35 +18,10 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from fastdraft.config.engine import BudgetConfig
 from fastdraft.engine.request import Request
-from fastdraft.errors import FastdraftError
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BudgetConfig:
-    """window: RL steps of length history kept (older ones describe an older policy);
-    margin: a request speculates when its predicted remainder is >= margin x the batch's
-    remaining steps (lower: more requests speculate); accept_ema: weight of the newest step in
-    the running accept-length estimate; initial_accept_length: that estimate before any step."""
-
-    window: int = 4
-    margin: float = 1.0
-    accept_ema: float = 0.05
-    initial_accept_length: float = 3.0
-
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise FastdraftError(f"budget window must be >= 1 RL step, got {self.window}")
-        if self.margin <= 0:
-            raise FastdraftError(f"budget margin must be > 0, got {self.margin}")
-        if not 0 < self.accept_ema <= 1:
-            raise FastdraftError(f"budget accept_ema must be in (0, 1], got {self.accept_ema}")
-        if self.initial_accept_length < 1:
-            raise FastdraftError("budget initial_accept_length must be >= 1, got "
-                                 f"{self.initial_accept_length}")
 
 
 class _Tail:

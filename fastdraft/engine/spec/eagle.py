@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter.base import Drafter
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.prefix_share import SharedPrefill
@@ -30,7 +31,6 @@ from fastdraft.engine.sampler import SamplingTensors
 from fastdraft.engine.scheduler import SlotMove
 from fastdraft.engine.slot_state import move_slots
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.draft_head import DraftHead
 from fastdraft.engine.spec.draft_layout import DraftLayout, select_tree
 from fastdraft.engine.spec.probs import conditioned_gumbel_topk

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdraft.config.engine import MERGED, SpecConfig
 from fastdraft.engine.request import Request
-from fastdraft.engine.spec.config import MERGED, SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer, create_eagle_proposer
 from fastdraft.engine.spec.graft import graft, graft_into
 from fastdraft.engine.spec.proposer import Proposer, register_proposer

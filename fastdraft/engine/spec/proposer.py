@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.errors import FastdraftError
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.envelope import Envelope
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import PROPOSERS, Proposer
 from fastdraft.models import CausalLM
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from fastdraft.config.engine import SpecConfig
 from fastdraft.engine.request import Request
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer, register_proposer
 from fastdraft.engine.spec.suffix import SuffixConfig, SuffixDrafter
 from fastdraft.engine.spec.tree import DraftTree

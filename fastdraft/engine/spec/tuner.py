@@ -27,129 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdraft.engine.spec.config import MERGED, SpecConfig
+from fastdraft.config.engine import MERGED, SpecConfig, TunerBucket, TunerConfig, arm_name
 from fastdraft.errors import FastdraftError
-
-OFF = SpecConfig(method="none")
-
-
-def arm_name(arm: SpecConfig) -> str:
-    """'off' or 'method/depth/topk/tokens_to_verify' (e.g. 'eagle/6/3/12')."""
-    if not arm.enabled:
-        return "off"
-    return f"{arm.method}/{arm.depth}/{arm.topk}/{arm.tokens_to_verify}"
-
-
-def parse_arm(name: str) -> SpecConfig:
-    """The inverse of arm_name; a malformed name says what it expects."""
-    if name in ("off", "none"):
-        return OFF
-    parts = name.split("/")
-    try:
-        method, depth, topk, nodes = parts[0], *map(int, parts[1:])
-    except ValueError:
-        raise FastdraftError(f"arm {name!r}: expected 'off' or 'method/depth/topk/tokens_to_verify'"
-                             ", e.g. 'eagle/6/3/12'") from None
-    return SpecConfig(method=method, depth=depth, topk=topk, tokens_to_verify=nodes)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TunerBucket:
-    """Batch sizes from min_batch (up to the next bucket's) and the arms played there, the
-    prior's favourite first."""
-
-    min_batch: int
-    arms: tuple[SpecConfig, ...]
-
-    def __post_init__(self) -> None:
-        if self.min_batch < 1:
-            raise FastdraftError(f"a tuner bucket's min_batch must be >= 1, got {self.min_batch}")
-        if not self.arms:
-            raise FastdraftError(f"tuner bucket from batch {self.min_batch} has no arms")
-        names = [arm_name(a) for a in self.arms]
-        if len(set(names)) != len(names):
-            raise FastdraftError(f"tuner bucket from batch {self.min_batch} repeats an arm: "
-                                 f"{names}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TunerConfig:
-    """buckets: ascending min_batch, the first from batch 1. epsilon: exploration rate;
-    window: records per arm the median is taken over; max_age: records older than this many
-    steps (of any arm) expire, so an arm that is rarely played is not judged forever on what
-    it earned under an older policy or drafter (the policy drifts every RL step);
-    min_records: before exploiting, a bucket plays each of its arms (in listed order, the
-    prior's favourite first) until it has this many records: a bucket visited for a dozen
-    steps a rollout would otherwise take many rollouts of epsilon draws to learn its arms."""
-
-    buckets: tuple[TunerBucket, ...]
-    epsilon: float = 0.1
-    window: int = 300
-    max_age: int = 3000
-    min_records: int = 2
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        starts = [b.min_batch for b in self.buckets]
-        if not starts or starts[0] != 1 or starts != sorted(set(starts)):
-            raise FastdraftError(f"tuner buckets must start at batch 1 and ascend, got {starts}")
-        if not 0.0 <= self.epsilon <= 1.0:
-            raise FastdraftError(f"tuner epsilon must be in [0, 1], got {self.epsilon}")
-        if self.min_records < 0:
-            raise FastdraftError(f"tuner min_records must be >= 0, got {self.min_records}")
-        if self.window < 1 or self.max_age < 1:
-            raise FastdraftError(f"tuner window and max_age must be >= 1, got {self.window}, "
-                                 f"{self.max_age}")
-
-    @property
-    def arms(self) -> tuple[SpecConfig, ...]:
-        """Every distinct arm, in first-appearance order."""
-        seen: dict[str, SpecConfig] = {}
-        for bucket in self.buckets:
-            for arm in bucket.arms:
-                seen.setdefault(arm_name(arm), arm)
-        return tuple(seen.values())
-
-    @classmethod
-    def from_names(cls, buckets: dict[int, list[str]], **kwargs: Any) -> TunerConfig:
-        """{min_batch: ['eagle/6/3/12', 'off', ...]} (a recipe's `rollout.tuner.buckets`)."""
-        return cls(buckets=tuple(TunerBucket(min_batch=int(b), arms=tuple(map(parse_arm, arms)))
-                                 for b, arms in sorted(buckets.items(), key=lambda kv: int(kv[0]))),
-                   **kwargs)
-
-    @classmethod
-    def default(cls, spec: SpecConfig, elastic_threshold: int = 32, max_batch: int = 256,
-                **kwargs: Any) -> TunerConfig:
-        """Arms around the recipe's tree (the largest one allowed): the full tree and two smaller
-        ones for small batches; smaller trees and "off" from 8 requests; "off" first (the
-        elastic prior) with two small trees from elastic_threshold up. One bucket per power of
-        two up to max_batch, so the arms of a bucket are compared at similar batch sizes (a
-        step's tokens per second grows with its batch size). A merged spec ("eagle+suffix",
-        whose tokens_to_verify counts EAGLE's nodes and the suffix share together) plays its
-        merged tree in the tail buckets next to EAGLE-only trees of the same EAGLE size."""
-        if not spec.enabled:
-            raise FastdraftError("a tuner needs a speculative spec (method != 'none') to build "
-                                 "arms")
-        merged = spec.method == MERGED
-        m = "eagle" if merged else spec.method
-        d, k, n = spec.depth, spec.topk, spec.tokens_to_verify
-
-        def arm(depth: int, topk: int, nodes: int, method: str = m) -> SpecConfig:
-            return SpecConfig(method=method, depth=max(depth, 1), topk=max(topk, 1),
-                              tokens_to_verify=max(nodes, 1))
-
-        mid = max(min(8, elastic_threshold // 2), 2)
-        small = [arm(d, k, n), arm(d, k, 2 * n // 3), arm(d - 2, k, n // 2)]
-        if merged:  # EAGLE keeps n - min(d, n // 2) nodes of a merged tree of n
-            small = [spec, arm(d, k, n - min(d, n // 2)), arm(d, k, 2 * n // 3, spec.method),
-                     arm(d - 2, k, n // 2)]
-        middle = [arm(d - 2, k, n // 2), arm(d - 3, k - 1, n // 3), OFF]
-        large = [OFF, arm(d - 3, k - 1, n // 3), arm(2, 1, 2)]
-        starts = sorted({1, mid, elastic_threshold} |
-                        {2 ** i for i in range(max(max_batch, 1).bit_length())})
-        buckets = [TunerBucket(min_batch=b, arms=tuple(_unique(
-            small if b < mid else middle if b < elastic_threshold else large))) for b in starts]
-        return cls(buckets=tuple(buckets), **kwargs)
 
 
 @dataclass(slots=True)
@@ -263,12 +142,6 @@ class SpecTuner:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
 
-
-def _unique(arms: list[SpecConfig]) -> list[SpecConfig]:
-    seen: dict[str, SpecConfig] = {}
-    for arm in arms:
-        seen.setdefault(arm_name(arm), arm)
-    return list(seen.values())
 
 
 def check_tuner(tuner: TunerConfig | None, spec: SpecConfig) -> SpecTuner | None:

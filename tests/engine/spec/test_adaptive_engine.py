@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import TunerBucket, TunerConfig, parse_arm
+from fastdraft.config.engine import SpecConfig, TunerBucket, TunerConfig, parse_arm
 from tests.engine.spec.stat_utils import chi_square_test
 from tests.engine.spec.test_engine_lossless_stats import (
     NUM_SAMPLES,

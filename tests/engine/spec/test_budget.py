@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from fastdraft.config.engine import BudgetConfig
 from fastdraft.engine.request import prompt_key
-from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
+from fastdraft.engine.spec.budget import LengthBudget
 
 SHORT, LONG = prompt_key([5, 6, 7]), prompt_key([9, 9, 9, 9])
 

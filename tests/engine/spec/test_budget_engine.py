@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import BudgetConfig, SpecConfig
 from fastdraft.engine.request import prompt_key
-from fastdraft.engine.spec.budget import BudgetConfig, LengthBudget
-from fastdraft.engine.spec.config import SpecConfig
+from fastdraft.engine.spec.budget import LengthBudget
 from tests.engine.spec.stat_utils import chi_square_test
 from tests.engine.spec.test_adaptive_engine import LENGTH, _last_two, _prompts, _switching
 from tests.engine.spec.test_engine_lossless_stats import NUM_SAMPLES, PROMPT, SEED, _expected

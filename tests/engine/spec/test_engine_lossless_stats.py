@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import load_drafter
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.spec import accept as accept_mod
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.eagle import EagleProposer
 from fastdraft.engine.spec.probs import processed_probs
 from fastdraft.models import load_model

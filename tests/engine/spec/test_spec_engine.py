@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fastdraft import RolloutEngine, SamplingParams
+from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import build_drafter, save_drafter
 from fastdraft.engine.spec.batch import DraftBatch
-from fastdraft.engine.spec.config import SpecConfig
 from fastdraft.engine.spec.proposer import Proposer
 from fastdraft.engine.spec.tree import DraftTree
 from fastdraft.models import load_model

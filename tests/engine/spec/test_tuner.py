@@ -6,16 +6,8 @@ import random
 
 import pytest
 
-from fastdraft.engine.spec.config import SpecConfig
-from fastdraft.engine.spec.tuner import (
-    OFF,
-    SpecTuner,
-    TunerBucket,
-    TunerConfig,
-    arm_name,
-    check_tuner,
-    parse_arm,
-)
+from fastdraft.config.engine import OFF, SpecConfig, TunerBucket, TunerConfig, arm_name, parse_arm
+from fastdraft.engine.spec.tuner import SpecTuner, check_tuner
 
 EAGLE = SpecConfig(method="eagle", depth=6, topk=3, tokens_to_verify=12)
 
