@@ -18,8 +18,8 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
 @pytest.mark.parametrize("captures", [True, False])
 def test_auto_source_is_the_engines_capture_where_it_has_one_else_the_actor(
         char_policy, char_drafter, captures):
-    from tests.rl.online_helpers import eagle_engine
-    from tests.rl.test_drafter_resilience import _online
+    from tests.trainer.online_helpers import eagle_engine
+    from tests.trainer.test_drafter_resilience import _online
     assert load_recipe(RECIPE, ["rollout.backend=vllm"]).drafter.online.source == "auto"
     engine = eagle_engine(char_policy, char_drafter)
     engine.captures_hidden = captures   # False: what rollout.backend=vllm's engine says

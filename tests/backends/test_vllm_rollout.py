@@ -23,7 +23,7 @@ from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of, exact_seq
 needs_vllm()
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
-# The miniature test's drafter warm-up (tests/rl/test_miniature.py): its cached drafter serves.
+# The miniature test's drafter warm-up (tests/run/test_miniature.py): its cached drafter serves.
 WARMUP = ["drafter.warmup_steps=150", "drafter.warmup_rollouts=256"]
 LAW_LENGTH, LAW_SEED, OTHER = 4, 100_000, ("other",)
 SEQ = 400   # past the policy config's 256 positions: the drafter must serve them too

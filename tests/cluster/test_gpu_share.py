@@ -10,7 +10,7 @@ import pytest
 from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config.sections import ClusterConfig
 from fastdraft.workers.pool import TRAINER_GPU_SHARE, worker_bundle
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
 
 
 def test_a_worker_bundle_reserves_its_share_of_a_gpu_on_cuda_only():

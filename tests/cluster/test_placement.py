@@ -10,7 +10,7 @@ from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config import load_recipe
 from fastdraft.run.loop import train_step
 from fastdraft.run.run import Run
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
 
 RAY = ["cluster.backend=ray", "cluster.rollout_workers=2", "actor.num_ranks=2",
        "rollout.temperature=1.0", "rollout.spec.method=eagle"]

@@ -100,8 +100,8 @@ def test_a_ray_run_trains_its_drafter_data_parallel_on_idle_workers(char_policy,
     from fastdraft.run.loop import train
     from fastdraft.run.run import Run
     from fastdraft.workers.trainer_group import TrainerGroup
-    from tests.rl.test_drafter_resilience import ONLINE
-    from tests.rl.test_loop import _cfg
+    from tests.run.test_loop import _cfg
+    from tests.trainer.test_drafter_resilience import ONLINE
     # Three groups on two workers at a batch of one group: one worker runs two waves, the
     # other idles for a whole wave, long enough for a round to form and train (with two
     # groups each, the idle window was a few decode steps and on a fast machine often none;

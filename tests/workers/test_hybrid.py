@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.run.loop import train_step
 from fastdraft.run.run import Run
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
 
 HYBRID = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
           "actor.num_ranks=2", "rollout.temperature=1.0", "rollout.spec.method=eagle",
@@ -141,7 +141,7 @@ def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_
     from fastdraft.observability.metrics import read_metrics
     from fastdraft.run.loop import train
     from fastdraft.workers.trainer_group import TrainerGroup
-    from tests.rl.test_drafter_resilience import ONLINE
+    from tests.trainer.test_drafter_resilience import ONLINE
     run = Run(_cfg(char_policy, *HYBRID, *ONLINE, f"drafter.path={char_drafter}",
                    f"cluster.drafter_training={training}", "algorithm.num_steps=3",
                    "drafter.export=true",

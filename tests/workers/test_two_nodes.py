@@ -9,7 +9,7 @@ import pytest
 from fastdraft.observability.metrics import read_metrics
 from fastdraft.run.loop import train
 from fastdraft.run.run import Run
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
 
 
 @pytest.fixture

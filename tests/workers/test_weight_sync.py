@@ -11,7 +11,7 @@ import torch
 from fastdraft import RolloutEngine
 from fastdraft.actor.sharding import full_tensor
 from fastdraft.workers.hybrid import HEAD, HybridWorker
-from tests.rl.test_actor import spec
+from tests.actor.test_actor import spec
 
 
 def _worker(policy, release_kv: bool | None = None) -> HybridWorker:

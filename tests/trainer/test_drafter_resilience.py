@@ -22,8 +22,8 @@ from fastdraft.trainer.drafter_health import HEALTH_WINDOW
 from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.trainer.spot import Published
 from fastdraft.utils.digest import tensor_digest
-from tests.rl.online_helpers import drive_step, eagle_engine
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
+from tests.trainer.online_helpers import drive_step, eagle_engine
 
 ON_RAY = pytest.mark.xdist_group("ray")   # one Ray cluster at a time (the [ray] case only)
 

@@ -13,8 +13,8 @@ from fastdraft.observability.metrics import read_metrics
 from fastdraft.observability.wandb_run import SUPERSEDED
 from fastdraft.run.loop import train
 from fastdraft.run.run import Run
-from tests.rl.test_loop import _cfg
-from tests.rl.wandb_history import history
+from tests.observability.wandb_history import history
+from tests.run.test_loop import _cfg
 
 
 def _offline_runs(run_dir: Path) -> list[Path]:

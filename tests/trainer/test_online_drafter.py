@@ -12,7 +12,7 @@ from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.observability.metrics import read_metrics
 from fastdraft.run.loop import train, train_step
 from fastdraft.run.run import Run
-from tests.rl.test_loop import _cfg
+from tests.run.test_loop import _cfg
 
 
 def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char_drafter,
@@ -196,7 +196,7 @@ def test_a_drafter_that_loses_on_the_held_out_rollouts_is_withheld(char_policy, 
     from fastdraft.config.sections import OnlineDrafterConfig
     from fastdraft.trainer.online_drafter import OnlineDrafter
     from fastdraft.trainer.spot import HeldOutCheck, Published
-    from tests.rl.online_helpers import drive_step, eagle_engine
+    from tests.trainer.online_helpers import drive_step, eagle_engine
     engine = eagle_engine(char_policy, char_drafter)
     online = OnlineDrafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
                                                holdout_every=2, min_steps_per_step=2), engine)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fastdraft.checkpoint.layout import step_dirs, validate
-from tests.rl.test_stop_signals import CLI, RECIPE
+from tests.run.test_stop_signals import CLI, RECIPE
 
 pytestmark = pytest.mark.slow
 STEPS = 4
