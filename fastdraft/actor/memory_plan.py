@@ -100,11 +100,11 @@ class ActorShape:
 
 def _layer_activation(cfg: ModelConfig, c: int) -> int:
     """Bytes autograd saves per token in one decoder layer computing in c-byte floats
-    (measured with saved-tensor hooks in tests/actor/test_actor_memory_plan.py). An RMSNorm keeps its
-    fp32 input (the input itself, or its fp32 copy) and the normalised values; a layer norm's
-    output is kept by the linear that reads it (QK-norm's goes to the rotation, which keeps
-    nothing per token); attention keeps q, k, v, its output and its logsumexp (fp32 per head);
-    the MLP its gate, up, their SiLU and product."""
+    (measured with saved-tensor hooks in tests/actor/test_actor_memory_plan.py). An RMSNorm
+    keeps its fp32 input (the input itself, or its fp32 copy) and the normalised values; a
+    layer norm's output is kept by the linear that reads it (QK-norm's goes to the rotation,
+    which keeps nothing per token); attention keeps q, k, v, its output and its logsumexp
+    (fp32 per head); the MLP its gate, up, their SiLU and product."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     norms = 2 * (_FP32 + 2 * c) * cfg.hidden_size
     qk_norm = (_FP32 + c) * (q + kv) if cfg.qk_norm else 0

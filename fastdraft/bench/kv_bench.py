@@ -39,7 +39,7 @@ from fastdraft.engine.model_runner import ModelRunner
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM
 from fastdraft.run.inputs import rollout_seq_len
-from fastdraft.run.run import DTYPES
+from fastdraft.run.placement import DTYPES
 
 # name: (kv_block_size, prompts shared, paged reads chunked by row length)
 ARMS = {"static": (0, False, False), "static_shared": (0, True, False),

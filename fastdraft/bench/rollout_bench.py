@@ -33,7 +33,7 @@ from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.engine.trace import RolloutTrace
 from fastdraft.errors import FastdraftError
 from fastdraft.run.inputs import resolve_drafter, resolve_policy, rollout_seq_len
-from fastdraft.run.run import DTYPES
+from fastdraft.run.placement import DTYPES
 
 
 def run_rollout_bench(recipe: Path, overrides: list[str], out_dir: Path,

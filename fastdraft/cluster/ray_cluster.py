@@ -40,7 +40,10 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, check=True,
             start_new_session=True).stdout)   # out of reach of group kills
     try:
-        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True, **options)
+        # "local": a cluster of its own even where another runs on this machine (`ray start`'s,
+        # which Ray would otherwise join, refusing this run's CPU count)
+        ray.init(address=cfg.address or "local", include_dashboard=False, log_to_driver=True,
+                 **options)
     except ConnectionError as err:
         raise FastdraftError(
             f"cluster.address={cfg.address}: could not join that Ray cluster ({err}). Check "

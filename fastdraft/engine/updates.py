@@ -115,3 +115,6 @@ class BetweenSteps:
         self.proposer.advance_step(self.rl_step)
         if self.budget is not None:
             self.budget.advance_step()
+
+    def close(self) -> None:
+        """(Rollout.close: an engine in this process started nothing of its own.)"""

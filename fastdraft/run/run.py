@@ -28,24 +28,21 @@ from fastdraft.checkpoint.state import RngState
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
-from fastdraft.engine import Completion, RolloutEngine
-from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.engine import Completion
+from fastdraft.engine.rollout import Rollout
 from fastdraft.errors import FastdraftError, Place
-from fastdraft.models import ModelConfig
 from fastdraft.observability.dashboard import draw_dashboard
 from fastdraft.observability.metrics import MetricsLogger
 from fastdraft.observability.timeline import Span, TimelineLog, spans_metrics
+from fastdraft.run.placement import actor_device, actor_ranks, build_engine, trainer_placement
 from fastdraft.run.preflight import preflight
 from fastdraft.run.resume_check import check_resume_config
 from fastdraft.run.stop import RunStopped, StepClock, stop_signal_in
 from fastdraft.trainer.fixed_drafter import FixedDrafter
-from fastdraft.trainer.online_drafter import OnlineDrafter, trainer_aux_layers
+from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.utils.atomic import atomic_write_text
 from fastdraft.workers.actor import Actor
-from fastdraft.workers.hybrid_ranks import WorkerRanks
-from fastdraft.workers.ranks import ActorRanks, LocalRanks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from fastdraft.workers.pool import RolloutPool
 
 
 class Run:
@@ -86,16 +83,18 @@ class Run:
             device=cfg.model.device, num_steps=cfg.algorithm.num_steps)
         make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
                               self.memory_plan.engine_reserve)
-        self.engine = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir, run_dir,
-                                    max_seq_len, actor=actor_spec)
+        self.engine: Rollout = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir,
+                                             run_dir, max_seq_len, actor=actor_spec)
+        # A Ray pool's own face: its workers' timeline, the hybrid weight sync and ranks.
+        self.pool = self.engine if isinstance(self.engine, RolloutPool) else None
         # The checkpoint's state (the RNGs come back here, after the engine's build).
         loaded = self.checkpoints.load(latest) if latest is not None else None
         # Hybrid placement: the rollout workers hold the actor's ranks (and write checkpoints).
-        self.worker_ranks = (self.engine.ranks(self.engine.host.model.config)
-                             if cfg.cluster.placement == "hybrid" else None)
+        self.worker_ranks = (self.pool.ranks(self.engine.config)
+                             if self.pool is not None and self.pool.hybrid else None)
         self.hybrid = self.worker_ranks is not None
-        self.actor = Actor(replace(actor_spec, device=_actor_device(cfg, self.engine)),
-                           ranks=_actor_ranks(cfg, self.engine, self.worker_ranks))
+        self.actor = Actor(replace(actor_spec, device=actor_device(cfg, self.pool)),
+                           ranks=actor_ranks(cfg, self.pool, self.worker_ranks))
         if self.worker_ranks is not None:
             self.checkpoints.pending_elsewhere = self.worker_ranks.wait_checkpoint
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
@@ -127,11 +126,11 @@ class Run:
         # Callbacks on every finished rollout (the online drafter trainer listens here).
         self.drafter: OnlineDrafter | FixedDrafter = (
             OnlineDrafter(cfg.drafter.online, self.engine, cfg.seed, drafter_resume,
-                          **_trainer_placement(cfg, self.engine))
+                          **trainer_placement(cfg, self.pool))
             if cfg.drafter.online.enabled else FixedDrafter(self.engine, drafter_resume))
         self.on_finish_hooks: list[Callable[[Completion], None]] = [self.drafter.on_finish]
-        if self.timeline is not None and isinstance(self.drafter, OnlineDrafter):
-            self.engine.idle_hook = self.drafter.on_worker_idle   # idle workers' time trains it
+        if self.pool is not None and isinstance(self.drafter, OnlineDrafter):
+            self.pool.idle_hook = self.drafter.on_worker_idle   # idle workers' time trains it
         self.last_checkpoint_s = 0.0
         self.saved_step = self.start_step   # the step of the newest checkpoint of this run
         # Written once the run is built: a refused or failed start leaves the last one as it was.
@@ -142,8 +141,8 @@ class Run:
         from the shards on the device (advance_step: and end the engines' step, in the same
         call); otherwise streamed from this process's gather. Returns the engine's new policy
         version."""
-        if self.hybrid:
-            return self.engine.sync_weights(version, advance_step)
+        if self.pool is not None and self.pool.hybrid:
+            return self.pool.sync_weights(version, advance_step)
         version = self.engine.load_weights(self.actor.full_parameters(), version)
         if advance_step:
             self.engine.advance_step()
@@ -181,23 +180,24 @@ class Run:
     def cluster_metrics(self, step: int, laps: dict[str, float]) -> dict[str, float]:
         """A Ray run's per-worker seconds generating / idle this step (and the weight push),
         its timeline line written; {} for a local run. laps: the step's phase seconds."""
-        if self.timeline is None:
+        pool = self.pool
+        if pool is None or self.timeline is None:
             return {}
         update_start = laps["rollout"] + laps["reward"]
         push_start = update_start + laps["update"]
-        updaters = self.engine.worker_names if self.hybrid else ["actor"]
-        spans = [*self.engine.last_spans,
+        updaters = pool.worker_names if pool.hybrid else ["actor"]
+        spans = [*pool.last_spans,
                  *(Span(w, "update", update_start, push_start) for w in updaters),
                  *(Span(w, "push", push_start, push_start + laps["push"])
-                   for w in self.engine.worker_names)]
+                   for w in pool.worker_names)]
         self.timeline.log(step, spans)
-        return {**spans_metrics(spans, self.engine.worker_names),
-                "cluster/push_s": self.engine.last_push_s,
-                "cluster/worker_restarts": float(self.engine.restarts),
-                "cluster/rerun_requests": float(self.engine.reruns),
-                "cluster/migrated_requests": float(self.engine.last_migrated),
+        return {**spans_metrics(spans, pool.worker_names),
+                "cluster/push_s": pool.last_push_s,
+                "cluster/worker_restarts": float(pool.restarts),
+                "cluster/rerun_requests": float(pool.reruns),
+                "cluster/migrated_requests": float(pool.last_migrated),
                 # colocated placement: what the workers gave back for the actor's update
-                "cluster/released_mb": self.engine.last_released_bytes / 2**20}
+                "cluster/released_mb": pool.last_released_bytes / 2**20}
 
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
@@ -257,11 +257,10 @@ class Run:
         finally:
             self.drafter.close(timeout_s)
             self.actor.close(timeout_s)
-            if hasattr(self.engine, "close"):   # a RolloutPool: its Ray workers, Ray itself
-                self.engine.close()
-                if self.engine.owns_ray:
-                    from fastdraft.cluster.ray_cluster import shutdown
-                    shutdown()
+            self.engine.close()   # a pool's Ray workers, vLLM's processes
+            if self.pool is not None and self.pool.owns_ray:   # and Ray, when the run started it
+                from fastdraft.cluster.ray_cluster import shutdown
+                shutdown()
             self.checkpoints.close()
 
     def _drafter_state(self) -> dict[str, Any] | None:
@@ -284,71 +283,6 @@ class Run:
         self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")
-
-
-def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
-                 reserve: int, device: str, host: bool = False) -> RolloutEngine:
-    """The run's rollout engine on `device`. host: the driver's replica of a Ray run (weights
-    only: one KV slot, eager, no tuner or budgets; it never generates)."""
-    rollout = cfg.rollout
-    return RolloutEngine(
-        policy_dir, device=device, dtype=DTYPES[cfg.model.dtype],
-        max_batch_size=1 if host else rollout.max_batch_size, max_seq_len=max_seq_len,
-        drafter=drafter_dir, memory_reserve=0 if host else reserve,
-        # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
-        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
-        spec=rollout.spec, compile=rollout.compile and not host,
-        graphs=rollout.graphs and not host,
-        tuner=rollout.tuner.build(rollout.spec, cfg.seed, rollout.max_batch_size)
-        if rollout.tuner.enabled and not host else None,
-        budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
-        kv_block_size=rollout.kv_block_size,
-        kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
-                                                 ModelConfig.from_pretrained(policy_dir),
-                                                 DTYPES[cfg.model.dtype], rollout.kv_block_size))
-
-
-def _actor_ranks(cfg: RunConfig, engine: Any, workers: WorkerRanks | None
-                 ) -> Callable[[ActorSpec], ActorRanks]:
-    """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
-    this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
-    bundles of its own, or colocated: on the rollout workers')."""
-    if workers is not None:
-        return lambda spec: workers
-    if cfg.cluster.backend == "ray":
-        from fastdraft.workers.actor_group import RayActorPeers
-        if cfg.cluster.placement == "colocated":
-            return partial(LocalRanks, peers=partial(RayActorPeers,
-                                                     placement=engine.actor_rank_options))
-        return partial(LocalRanks, peers=partial(
-            RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
-    return LocalRanks
-
-
-def _actor_device(cfg: RunConfig, engine: Any) -> str:
-    """The actor's rank 0 (this process): model.device, or colocated on GPUs rollout worker
-    0's GPU."""
-    if cfg.cluster.placement == "colocated":
-        return engine.driver_device(cfg.model.device)
-    return cfg.model.device
-
-
-def _trainer_placement(cfg: RunConfig, engine: Any) -> dict[str, Any]:
-    """Where the online drafter trains: beside this process (local); inside the hybrid
-    workers (their trainer members); else as Ray actors on the rollout workers' bundles and
-    devices (ray): the pool's trainer_placement."""
-    if cfg.cluster.backend == "local":
-        return {}
-    if cfg.cluster.drafter_training == "data_parallel":
-        from fastdraft.workers.trainer_group import TrainerGroup
-        members = [engine.trainer_placement(k) for k in range(cfg.cluster.rollout_workers)]
-        return {"device": engine.device,
-                "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
-                                                                           stats, members)}
-    from fastdraft.workers.trainer_actor import RayTrainer
-    return {"device": engine.device,
-            "start_trainer": lambda setup, online, stats: RayTrainer(
-                setup, online, stats, engine.trainer_placement())}
 
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,

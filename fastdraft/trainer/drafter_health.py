@@ -13,14 +13,14 @@ import torch
 
 from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.engine import RolloutEngine
+from fastdraft.engine.rollout import Rollout
 from fastdraft.trainer.spot import Published
 
 #: Accept length at or below this, over HEALTH_WINDOW steps, means the drafter is broken.
 COLLAPSED_ACCEPT_LENGTH, HEALTH_WINDOW = 1.5, 3
 
 
-def health_check(engine: RolloutEngine, history: list[float], accept_length: float) -> bool:
+def health_check(engine: Rollout, history: list[float], accept_length: float) -> bool:
     """Records the step's accept length; after HEALTH_WINDOW steps at or below
     COLLAPSED_ACCEPT_LENGTH the engine falls back to plain decoding (True): a broken drafter
     (zeroed, misloaded, or for another policy) must never make rollouts slower than plain."""
@@ -52,7 +52,7 @@ class DrafterHealth:
     rejected: int = 0
     trainer_steps_at_fallback: int = 0   # a re-probe waits for a drafter trained since
 
-    def observe(self, engine: RolloutEngine, accept_length: float | None) -> bool:
+    def observe(self, engine: Rollout, accept_length: float | None) -> bool:
         """One step's accept length (None: nothing was drafted). True when this step made the
         engine fall back."""
         if self.fallback:
@@ -68,7 +68,7 @@ class DrafterHealth:
     def due_for_reprobe(self, every: int) -> bool:
         return self.fallback and every > 0 and self.steps_in_fallback >= every
 
-    def resume_speculation(self, engine: RolloutEngine, spec: SpecConfig) -> None:
+    def resume_speculation(self, engine: Rollout, spec: SpecConfig) -> None:
         """Speculation back on with `spec` (what the engine ran before the fallback; its
         envelope, caches and proposer are unchanged by a fallback), with a fresh window: the
         newly loaded drafter must collapse again for HEALTH_WINDOW steps to be dropped."""
@@ -88,7 +88,7 @@ class DrafterHealth:
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, Any] | None, engine: RolloutEngine) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None, engine: Rollout) -> None:
         """Restores a checkpoint's health (None: a checkpoint from before it was saved) and,
         if the run had fallen back, the engine's fallback with it."""
         if not state:
@@ -102,7 +102,7 @@ class DrafterHealth:
             print(f"drafter: plain decoding, as before the resume: {self.reason}")
 
 
-def published_problem(published: Published, engine: RolloutEngine
+def published_problem(published: Published, engine: Rollout
                       ) -> tuple[str | None, bool]:
     """(why a published drafter must not be loaded, whether its trainer diverged); (None,
     False): it may be loaded. Refused: other tensors than the engine's drafter has, or

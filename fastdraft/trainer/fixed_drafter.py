@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastdraft.drafter.checkpoint import trainable_named_tensors
-from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.engine import Completion
+from fastdraft.engine.rollout import Rollout
 from fastdraft.trainer.drafter_health import DrafterHealth
 
 
@@ -17,7 +18,7 @@ class FixedDrafter:
     on_hidden = None
     actor_hidden_layers = None   # nothing asks the actor's forward for samples
 
-    def __init__(self, engine: RolloutEngine | None = None, resume: dict | None = None) -> None:
+    def __init__(self, engine: Rollout | None = None, resume: dict | None = None) -> None:
         self.health = DrafterHealth()
         self.engine = engine
         self.version = None if engine is None else engine.drafter_version
@@ -25,7 +26,7 @@ class FixedDrafter:
             self.version = load_engine_drafter(engine, resume, self.version)
             self.health.load_state_dict(resume.get("health"), engine)
 
-    def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None: ...
+    def start_rollout(self, step: int, num_requests: int, engine: Rollout) -> None: ...
     def on_finish(self, completion: Completion) -> None: ...
     def end_rollout(self, rewards: list[float]) -> None: ...
     def start_update(self) -> None: ...
@@ -41,13 +42,13 @@ class FixedDrafter:
         return {**engine_drafter_state(self.engine, self.version),
                 "health": self.health.state_dict()}
 
-    def after_step(self, engine: RolloutEngine, accept_length: float | None
+    def after_step(self, engine: Rollout, accept_length: float | None
                    ) -> dict[str, float]:
         self.health.observe(engine, accept_length)
         return {"drafter/fallback": 1.0} if self.health.fallback else {}
 
 
-def engine_drafter_state(engine: RolloutEngine, version: int | None) -> dict[str, Any]:
+def engine_drafter_state(engine: Rollout, version: int | None) -> dict[str, Any]:
     """The engine's drafter (trainable tensors) and version: what --resume puts back."""
     drafter = engine.model_drafter
     if drafter is None or version is None:
@@ -56,7 +57,7 @@ def engine_drafter_state(engine: RolloutEngine, version: int | None) -> dict[str
             "version": int(version)}
 
 
-def load_engine_drafter(engine: RolloutEngine, resume: dict, version: int | None
+def load_engine_drafter(engine: Rollout, resume: dict, version: int | None
                         ) -> int | None:
     """Puts a checkpoint's drafter back into the engine; returns its version."""
     if "tensors" not in resume or engine.model_drafter is None:

@@ -27,7 +27,8 @@ from fastdraft.algo.sequences import SequenceBatch
 from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.drafter.losses import LOSSES as KIND_LOSSES
-from fastdraft.engine import Completion, RolloutEngine
+from fastdraft.engine import Completion
+from fastdraft.engine.rollout import Rollout
 from fastdraft.errors import FastdraftError
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.trainer.drafter_health import DrafterHealth, published_problem
@@ -38,7 +39,7 @@ from fastdraft.trainer.worker import SpotWorker
 
 
 class OnlineDrafter:
-    def __init__(self, cfg: OnlineDrafterConfig, engine: RolloutEngine, seed: int = 0,
+    def __init__(self, cfg: OnlineDrafterConfig, engine: Rollout, seed: int = 0,
                  resume: dict | None = None, start_trainer: StartTrainer | None = None,
                  device: str | None = None) -> None:
         """resume: the checkpoint's drafter state (`state_dict`): the engine's drafter, the
@@ -141,7 +142,7 @@ class OnlineDrafter:
         self.collector.add_remote(samples, len(samples), 0, sum(s.nbytes for s in samples))
 
     # ----------------------------------------------------------------------------- rollout
-    def start_rollout(self, step: int, num_requests: int, engine: RolloutEngine) -> None:
+    def start_rollout(self, step: int, num_requests: int, engine: Rollout) -> None:
         if self.worker is not None and not self.worker.alive:
             self._fail(f"the drafter worker died ({self.worker.death})")
         self.collector.start_step(step)
@@ -242,7 +243,7 @@ class OnlineDrafter:
             "steps": stats.steps, "tokens": stats.tokens, "preemptions": stats.preemptions})
 
     # --------------------------------------------------------------------- publish, health
-    def after_step(self, engine: RolloutEngine, accept_length: float | None
+    def after_step(self, engine: Rollout, accept_length: float | None
                    ) -> dict[str, float]:
         """At the step boundary: the health check, then (as `refresh` says) the new drafter
         into the engine, or after a fallback (every reprobe_every steps) a re-probe of the
@@ -276,7 +277,7 @@ class OnlineDrafter:
         return {**metrics, **self.health.metrics(),
                 "drafter/worker_alive": float(self.worker is not None and self.worker.alive)}
 
-    def _publish(self, engine: RolloutEngine) -> bool:
+    def _publish(self, engine: Rollout) -> bool:
         """The worker's newest drafter into the engine; False (the engine keeps the last good
         one) when the worker fails or what it sent is not a sound drafter."""
         published = self._call("publish", self.cfg.min_steps_per_step)

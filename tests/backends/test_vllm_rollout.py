@@ -16,7 +16,7 @@ from fastdraft.config import load_recipe
 from fastdraft.drafter.checkpoint import trainable_named_tensors
 from fastdraft.engine import SamplingParams
 from fastdraft.run.inputs import resolve_drafter, resolve_policy
-from fastdraft.run.run import build_engine
+from fastdraft.run.placement import build_engine
 from tests.backends.needs_vllm import needs_vllm
 from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of, exact_sequence_probs
 

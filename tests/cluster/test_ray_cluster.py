@@ -40,7 +40,8 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_cluster_address_joins_a_cluster_started_with_ray_start(ray_tmp, monkeypatch):
+def test_cluster_address_joins_a_cluster_started_with_ray_start_and_only_then(ray_tmp,
+                                                                             monkeypatch):
     from fastdraft.cluster.ray_cluster import connect, shutdown
     assert not ray.is_initialized()
     port = _free_port()
@@ -62,6 +63,11 @@ def test_cluster_address_joins_a_cluster_started_with_ray_start(ray_tmp, monkeyp
         assert ray.cluster_resources()["CPU"] == 3   # the cluster's own, not a new one's
         shutdown()
         assert not ray.is_initialized()
+        # without cluster.address a run starts a cluster of its own, even beside this one
+        # (which Ray would otherwise join, refusing the run's CPU count)
+        assert connect(ClusterConfig(backend="ray", rollout_workers=2), cpus=5)
+        assert ray.cluster_resources()["CPU"] == max(os.cpu_count() or 1, 5)
+        shutdown()
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:

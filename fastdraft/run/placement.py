@@ -1,0 +1,91 @@
+"""Where each role of a run goes: its engine built (in this process, or as a Ray worker's or
+the driver's host replica), the actor's ranks (inside the hybrid workers, processes of the run,
+or a Ray worker group), rank 0's device, and the online drafter's trainer (a process beside
+this one, inside the hybrid workers, or Ray actors on the workers' bundles). run/run.py
+composes them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastdraft.actor.rank import ActorSpec
+from fastdraft.config import RunConfig
+from fastdraft.engine import RolloutEngine
+from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.models import ModelConfig
+from fastdraft.trainer.online_drafter import trainer_aux_layers
+from fastdraft.workers.hybrid_ranks import WorkerRanks
+from fastdraft.workers.pool import RolloutPool
+from fastdraft.workers.ranks import ActorRanks, LocalRanks
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
+                 reserve: int, device: str, host: bool = False) -> RolloutEngine:
+    """The run's rollout engine on `device`. host: the driver's replica of a Ray run (weights
+    only: one KV slot, eager, no tuner or budgets; it never generates)."""
+    rollout = cfg.rollout
+    return RolloutEngine(
+        policy_dir, device=device, dtype=DTYPES[cfg.model.dtype],
+        max_batch_size=1 if host else rollout.max_batch_size, max_seq_len=max_seq_len,
+        drafter=drafter_dir, memory_reserve=0 if host else reserve,
+        # The hidden states the online trainer's drafter reads (EAGLE-3's aux layers).
+        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
+        spec=rollout.spec, compile=rollout.compile and not host,
+        graphs=rollout.graphs and not host,
+        tuner=rollout.tuner.build(rollout.spec, cfg.seed, rollout.max_batch_size)
+        if rollout.tuner.enabled and not host else None,
+        budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
+        kv_block_size=rollout.kv_block_size,
+        kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
+                                                 ModelConfig.from_pretrained(policy_dir),
+                                                 DTYPES[cfg.model.dtype], rollout.kv_block_size))
+
+
+def actor_ranks(cfg: RunConfig, pool: RolloutPool | None, workers: WorkerRanks | None
+                 ) -> Callable[[ActorSpec], ActorRanks]:
+    """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
+    this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
+    bundles of its own, or colocated: on the rollout workers')."""
+    if workers is not None:
+        return lambda spec: workers
+    if cfg.cluster.backend == "ray":
+        from fastdraft.workers.actor_group import RayActorPeers
+        if cfg.cluster.placement == "colocated":
+            return partial(LocalRanks, peers=partial(RayActorPeers,
+                                                     placement=pool.actor_rank_options))
+        return partial(LocalRanks, peers=partial(
+            RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
+    return LocalRanks
+
+
+def actor_device(cfg: RunConfig, pool: RolloutPool | None) -> str:
+    """The actor's rank 0 (this process): model.device, or colocated on GPUs rollout worker
+    0's GPU."""
+    if pool is not None and pool.colocated:
+        return pool.driver_device(cfg.model.device)
+    return cfg.model.device
+
+
+def trainer_placement(cfg: RunConfig, pool: RolloutPool | None) -> dict[str, Any]:
+    """Where the online drafter trains: beside this process (local); inside the hybrid
+    workers (their trainer members); else as Ray actors on the rollout workers' bundles and
+    devices (ray): the pool's trainer_placement."""
+    if pool is None:
+        return {}
+    if cfg.cluster.drafter_training == "data_parallel":
+        from fastdraft.workers.trainer_group import TrainerGroup
+        members = [pool.trainer_placement(k) for k in range(cfg.cluster.rollout_workers)]
+        return {"device": pool.device,
+                "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
+                                                                           stats, members)}
+    from fastdraft.workers.trainer_actor import RayTrainer
+    return {"device": pool.device,
+            "start_trainer": lambda setup, online, stats: RayTrainer(
+                setup, online, stats, pool.trainer_placement())}
