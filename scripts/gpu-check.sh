@@ -45,8 +45,9 @@ rl() {
   if "$py" -c "import ray" 2>/dev/null; then
     rl_run rl_ray_2workers_1gpu recipes/tiny-grpo.yaml cluster.backend=ray \
       cluster.rollout_workers=2 cluster.gpus_per_worker=0.5
-    # one hybrid worker: actor rank + engine replica in one process, the sync on the GPU
-    # (timing/push_s), the KV cache released for the update and the graphs captured again
+    # one hybrid worker: actor rank + engine replica + the online drafter's trainer member in
+    # one process, the sync on the GPU (timing/push_s), the KV cache released for the update
+    # and the graphs captured again, its checkpoint sharded (torch.distributed.checkpoint)
     rl_run rl_hybrid_miniature recipes/tiny-qwen3-eagle3.yaml cluster.backend=ray \
       cluster.placement=hybrid cluster.rollout_workers=1 actor.num_ranks=1
   else

@@ -32,6 +32,7 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
     if cfg.cluster.backend == "local":
         return make_engine(device)
     from fastdraft.cluster.ray_cluster import connect
+    from fastdraft.workers.hybrid import head_only
     from fastdraft.workers.pool import RolloutPool
     threads = max(cfg.cluster.worker_threads, 1)
     hybrid = cfg.cluster.placement == "hybrid"
@@ -40,7 +41,8 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
     # What the workers load, and hybrid workers' rank 0 writes (checkpoints): on every node.
     paths = {"model.path": policy_dir, "drafter.path": drafter_dir,
              **({"--run-dir": work_dir} if hybrid else {})}
-    pool = RolloutPool(cfg.cluster, make_engine, make_engine("cpu", host=True), device,
+    host = make_engine("cpu", host=True)   # hybrid: the workers hold the policy, not the driver
+    pool = RolloutPool(cfg.cluster, make_engine, head_only(host) if hybrid else host, device,
                        cfg.rollout.group_size, actor=actor if hybrid else None, paths=paths)
     pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
     return pool

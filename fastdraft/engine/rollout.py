@@ -29,7 +29,8 @@ class Rollout(Protocol):
 
     @property
     def model(self) -> CausalLM:
-        """The policy as served (a host replica's, behind a pool or vLLM)."""
+        """The policy as served (a host replica's, behind a pool or vLLM; behind hybrid
+        workers its head only: workers/hybrid.head_only)."""
 
     @property
     def model_drafter(self) -> torch.nn.Module | None: ...

@@ -47,6 +47,17 @@ class WeightSync:
     head: list[tuple[str, torch.Tensor]] | None = None   # worker 0's: the policy head (HEAD)
 
 
+def head_only(host: Any) -> Any:
+    """The driver's host replica of hybrid workers with the policy's weights dropped but its
+    head (HEAD, what the online drafter's trainer reads; an EAGLE drafter borrows it too):
+    the workers hold the policy, the driver only what it reads (16 GB less at 8B)."""
+    with torch.no_grad():
+        for name, param in host.model.named_parameters():
+            if name not in HEAD:
+                param.data = torch.empty(0, dtype=param.dtype)
+    return host
+
+
 def rendezvous() -> tuple[str, int]:
     """(this node's IP as Ray knows it, a free port here): where rank 0's process group
     listens. Run as a Ray task in rank 0's bundle, so the address is that node's."""

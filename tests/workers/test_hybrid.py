@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.run.loop import train_step
 from fastdraft.run.run import Run
+from fastdraft.workers.hybrid import HEAD
 from tests.run.test_loop import _cfg
 
 HYBRID = ["cluster.backend=ray", "cluster.placement=hybrid", "cluster.rollout_workers=2",
@@ -77,6 +78,10 @@ def test_hybrid_workers_roll_out_update_and_sync_on_their_devices(
                 assert sorted(seen) == sorted(seen_one) and len(seen) == 12
                 assert rows[0]["actor/loss"] == pytest.approx(one_rows[0]["actor/loss"],
                                                               abs=1e-5)
+        # the driver's replica keeps the policy's head only: the workers hold the policy
+        host = dict(run.engine.host.model.named_parameters())
+        assert all(t.numel() == 0 for n, t in host.items() if n not in HEAD)
+        assert all(torch.equal(host[n], actor[n]) for n in HEAD if n in host)
         # no policy weights went through the object store (the drafter's went, as published)
         assert not any(_policy_names(v) for v in puts)
         assert run.engine._weights is None
