@@ -6,10 +6,15 @@ side in one run (steps interleaved A B C A B C ..., the same seeds, step 0 left 
 - colocated: Ray rollout workers with the actor's ranks in other processes on their bundles
   (cluster.placement=colocated): rank 0 in this process, the weights through the object store;
 - hybrid: `cluster.rollout_workers` hybrid workers (cluster.placement=hybrid), each an actor
-  rank beside its engine, the weights loaded from the shards on each worker's device.
+  rank beside its engine, the weights loaded from the shards on each worker's device, the
+  online drafter's trainer a member inside the last worker;
+- local_off / hybrid_off: local and hybrid without online drafter training.
 
 Reported per arm: mean step, rollout, update and push seconds; `hybrid_vs_local` and
 `hybrid_vs_colocated` (mean step time ratios; the target <= 1.0), `push_ms` side by side;
+the exposed cost of training the drafter online: `hybrid_exposed_drafter_cost` (hybrid /
+hybrid_off) beside `local_exposed_cost` (local / local_off: its trainer process beside the
+engine and the actor);
 every hybrid worker's generating seconds per step; `sim_error`: the cluster simulator replaying
 the hybrid run's steps (|simulated - measured| / measured step time)."""
 
@@ -32,9 +37,11 @@ QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashb
 def arms(workers: int) -> dict[str, list[str]]:
     ray = ["cluster.backend=ray", f"cluster.rollout_workers={workers}",
            "cluster.worker_threads=1", f"actor.num_ranks={workers}"]
-    return {"local": ["cluster.backend=local", "actor.num_ranks=1"],
-            "colocated": [*ray, "cluster.placement=colocated"],
-            "hybrid": [*ray, "cluster.placement=hybrid"]}
+    local = ["cluster.backend=local", "actor.num_ranks=1"]
+    off = "drafter.online.enabled=false"
+    return {"local": local, "colocated": [*ray, "cluster.placement=colocated"],
+            "hybrid": [*ray, "cluster.placement=hybrid"], "local_off": [*local, off],
+            "hybrid_off": [*ray, "cluster.placement=hybrid", off]}
 
 
 def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
@@ -43,7 +50,7 @@ def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
     import ray
     base = load_recipe(recipe, overrides)
     steps = base.algorithm.num_steps
-    ray.init(num_cpus=2 * workers + 2, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=3 * workers + 2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     runs: dict[str, Run] = {}
     try:
@@ -69,6 +76,8 @@ def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "phases_s": phases,
         "hybrid_vs_local": phases["hybrid"]["step"] / phases["local"]["step"],
         "hybrid_vs_colocated": phases["hybrid"]["step"] / phases["colocated"]["step"],
+        "hybrid_exposed_drafter_cost": phases["hybrid"]["step"] / phases["hybrid_off"]["step"],
+        "local_exposed_cost": phases["local"]["step"] / phases["local_off"]["step"],
         "push_ms": {name: 1e3 * p["push"] for name, p in phases.items()},
         "hybrid_generate_s": {f"rollout{k}": [r[f"cluster/rollout{k}/generate_s"]
                                               for r in rows["hybrid"]]
@@ -89,6 +98,8 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
                      f"{1e3 * p['push']:>8.1f}")
     lines += [f"hybrid_vs_local {out['hybrid_vs_local']:.3f}   hybrid_vs_colocated "
               f"{out['hybrid_vs_colocated']:.3f}   (target <= 1.0)",
+              f"exposed drafter-training cost: hybrid {out['hybrid_exposed_drafter_cost']:.3f}"
+              f"   local {out['local_exposed_cost']:.3f}",
               "hybrid workers' generating seconds per step: " + "  ".join(
                   f"{w}: {' '.join(f'{s:.2f}' for s in v)}"
                   for w, v in out["hybrid_generate_s"].items()),
