@@ -72,28 +72,26 @@ def char_policy(tmp_path_factory):
     return path
 
 
+def _untrained_drafter(kind: str, policy_dir, out, draft_vocab: int):
+    """An untrained `kind` drafter for the policy at policy_dir, saved in out."""
+    from fastdraft.drafter import build_drafter, save_drafter
+    from fastdraft.models import load_model
+    policy = load_model(policy_dir)
+    torch.manual_seed(0)
+    save_drafter(build_drafter(kind, policy.config, draft_vocab).attach(policy), out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def char_drafter(char_policy, tmp_path_factory):
     """An untrained EAGLE-1 drafter for char_policy."""
-    from fastdraft.drafter import build_drafter, save_drafter
-    from fastdraft.models import load_model
-    policy = load_model(char_policy)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("char-drafter")
-    save_drafter(build_drafter("eagle1", policy.config, 512).attach(policy), out)
-    return out
+    return _untrained_drafter("eagle1", char_policy, tmp_path_factory.mktemp("char-drafter"), 512)
 
 
 @pytest.fixture(scope="session")
 def char_eagle3(char_policy, tmp_path_factory):
     """An untrained EAGLE-3 drafter for char_policy (aux layers of its 2 layers: (1, 1, 0))."""
-    from fastdraft.drafter import build_drafter, save_drafter
-    from fastdraft.models import load_model
-    policy = load_model(char_policy)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("char-eagle3")
-    save_drafter(build_drafter("eagle3", policy.config, 512).attach(policy), out)
-    return out
+    return _untrained_drafter("eagle3", char_policy, tmp_path_factory.mktemp("char-eagle3"), 512)
 
 
 @pytest.fixture(scope="session")
@@ -101,11 +99,6 @@ def policy_and_drafter(tmp_path_factory):
     """The bootstrap policy (cached) and an untrained EAGLE-1 drafter for it: what the CLI runs
     of the signal and fault tests serve."""
     from fastdraft.bootstrap.run import run_bootstrap
-    from fastdraft.drafter import build_drafter, save_drafter
-    from fastdraft.models import load_model
     policy_dir = run_bootstrap().policy_dir
-    policy = load_model(policy_dir)
-    torch.manual_seed(0)
-    drafter = tmp_path_factory.mktemp("stop-drafter")
-    save_drafter(build_drafter("eagle1", policy.config, 256).attach(policy), drafter)
-    return policy_dir, drafter
+    return policy_dir, _untrained_drafter("eagle1", policy_dir,
+                                          tmp_path_factory.mktemp("stop-drafter"), 256)
