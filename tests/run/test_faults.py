@@ -47,6 +47,12 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def _steps_logged(run_dir: Path) -> int:
+    """Lines of metrics.jsonl so far (the file exists from the run's start)."""
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -115,10 +121,12 @@ def test_the_driver_of_hybrid_workers_killed_leaves_no_process_and_resumes_exact
     done = _run([*args, "--run-dir", str(tmp_path / "unbroken")])
     assert done.returncode == 0, done.stderr
     expected = (_metrics(tmp_path / "unbroken"), time.monotonic() - start)
-    # while the workers run: once a step is logged, at a random point of the next few
+    # while the workers run: once two steps are logged (and checkpointed), at a random point
+    # of the next (a step of this recipe takes well under a second; the run's end, where Ray
+    # and its workers are already gone, must not be the point)
     run_dir = tmp_path / "run"
-    _signal_and_resume(args, run_dir, expected, signal.SIGKILL, 30, (0.0, 0.3),
-                       ready=(run_dir / "metrics.jsonl").is_file, workers="HybridWorker")
+    _signal_and_resume(args, run_dir, expected, signal.SIGKILL, 30, (0.0, 0.01),
+                       ready=lambda: _steps_logged(run_dir) >= 2, workers="HybridWorker")
 
 
 def _signal_and_resume(args: list[str], run_dir: Path, unbroken: tuple[list[dict], float],
