@@ -96,7 +96,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
     # Logical CPUs for every Ray run's workers at once (a placement group waits for its
     # bundles' CPUs); only one run steps at a time.
     ray_arms = sum("cluster.backend=ray" in extra for extra in arms.values())
-    ray.init(num_cpus=ray_arms * workers + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=ray_arms * workers + 2, include_dashboard=False,
+             log_to_driver=False)   # its own cluster, whatever else runs here
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
              "drafter.export=false", f"cluster.rollout_workers={workers}"]
     runs: dict[str, Run] = {}

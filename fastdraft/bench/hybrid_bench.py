@@ -50,7 +50,8 @@ def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
     import ray
     base = load_recipe(recipe, overrides)
     steps = base.algorithm.num_steps
-    ray.init(num_cpus=3 * workers + 2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=3 * workers + 2, include_dashboard=False,
+             log_to_driver=False,
              _node_ip_address="127.0.0.1")
     runs: dict[str, Run] = {}
     try:

@@ -40,7 +40,8 @@ def test_two_half_gpu_workers_and_their_trainer_land_on_one_gpu():
     ray = pytest.importorskip("ray")
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False,
+             log_to_driver=False)
     try:
         def gpus_seen(bundles: list[dict], share: float) -> list[str] | None:
             group = placement_group(bundles, strategy="PACK")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module")
 def loopback_ray():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     yield
     ray.shutdown()
