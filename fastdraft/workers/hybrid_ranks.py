@@ -113,6 +113,26 @@ def get_all(futures: list[Any], what: str, timeout_s: float = REPLY_TIMEOUT_S) -
             raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) died during "
                                  f"{what}") from None
         except ray.exceptions.RayTaskError as err:
+            # A collective fails on every rank when one dies: name the dead one if there is
+            dead = _died(pending, rank_of)
+            if dead is not None:
+                raise ActorRankError(f"hybrid worker {dead} (actor rank {dead}) died during "
+                                     f"{what}") from None
             raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) failed during "
                                  f"{what}:\n{err}") from None
     return out
+
+
+def _died(pending: list[Any], rank_of: dict[Any, int], grace_s: float = 5.0) -> int | None:
+    """The rank among `pending` whose worker died, watched for grace_s (a killed worker's
+    death reaches Ray a moment after its peers' collective failed); None when all live."""
+    import ray
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    for future in ready:
+        try:
+            ray.get(future)
+        except ray.exceptions.RayActorError:
+            return rank_of[future]
+        except ray.exceptions.RayTaskError:
+            continue
+    return None
