@@ -184,6 +184,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
         "dp_exposed_drafter_cost": step_s("ray_dp") / step_s("ray_off"),
         "dp_train_tokens_on_idle": sum(r.get("drafter/train_tokens_on_idle", 0.0)
                                        for r in rows["ray_dp"]),
+        "dp_idle_promotions": sum(r.get("drafter/idle_promotions", 0.0) for r in rows["ray_dp"]),
+        "dp_train_tokens": rows["ray_dp"][-1].get("drafter/train_tokens", 0.0),
         "dp_vs_one": drift["ray_dp"]["eval_accept_length"]
         / drift["ray_on"]["eval_accept_length"],
         "dp_vs_one_online": online("ray_dp") / online("ray_on"),
@@ -387,7 +389,9 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"  sim_error (worst step-time error): {out['sim_error']:.3f}",
              f"  data-parallel drafter training (ray_dp): exposed cost "
              f"{out['dp_exposed_drafter_cost']:.3f}, {out['dp_train_tokens_on_idle']:.0f} tokens "
-             f"on idle workers; accept vs one trainer: on ray_on's final policy (dp_vs_one) "
+             f"on idle workers ({out['dp_idle_promotions']:.0f} promotions, "
+             f"{out['dp_train_tokens']:.0f} tokens in all); accept vs one trainer: on "
+             f"ray_on's final policy (dp_vs_one) "
              f"{out['dp_vs_one']:.3f}, each on its own run (dp_vs_one_online) "
              f"{out['dp_vs_one_online']:.3f}",
              "  accept length online (each run's own drafter and policy, steps 1-): " + "  ".join(

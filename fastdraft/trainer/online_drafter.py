@@ -81,6 +81,7 @@ class OnlineDrafter:
         self.pause_s = 0.0
         self._tokens_at_idle: int | None = None   # trainer tokens when an idle worker freed up
         self.train_tokens_on_idle = 0
+        self.idle_promotions = 0   # idle rollout workers promoted to drafter training this step
 
     def _start_worker(self, state: dict | None) -> TrainerHandle:
         engine, cfg = self.engine, self.cfg
@@ -146,7 +147,7 @@ class OnlineDrafter:
         if self.worker is not None and not self.worker.alive:
             self._fail(f"the drafter worker died ({self.worker.death})")
         self.collector.start_step(step)
-        self.train_tokens_on_idle = 0
+        self.train_tokens_on_idle = self.idle_promotions = 0
         self._remaining, self._threshold = num_requests, self.cfg.tail_fraction * num_requests
         self.pause_s = 0.0
         self._dropped_at_start = self.collector.dropped_tokens
@@ -178,6 +179,7 @@ class OnlineDrafter:
         elif not self.worker.per_worker:
             return False
         self.worker.go(worker)
+        self.idle_promotions += 1
         return True
 
     def end_rollout(self, rewards: list[float]) -> None:
@@ -346,6 +348,7 @@ class OnlineDrafter:
                "drafter/cut_samples": float(self.worker.cut_samples if self.worker else 0),
                "drafter/pause_wait_s": self.pause_s,
                "drafter/train_tokens_on_idle": float(self.train_tokens_on_idle),
+               "drafter/idle_promotions": float(self.idle_promotions),
                "drafter/dropped_tokens": float(collector.dropped_tokens
                                                - self._dropped_at_start),
                "drafter/inbox_dropped": float(self._inbox_dropped_total()
