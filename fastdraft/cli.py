@@ -286,9 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, Exception):   # SystemExit
             raise
         return _report_failure(args, err)
-    finally:   # normally closed already; after a failure the exit must not wait for them
-        from fastdraft.utils.process import kill_helpers
-        kill_helpers()
     print(f"[fastdraft {args.command}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     return code
 

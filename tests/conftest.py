@@ -17,6 +17,35 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs for a test module's Ray actors (trainers, ranks); a run
+    started inside it joins it and leaves it up."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    _FIXTURE_RAY.append(True)
+    yield
+    _FIXTURE_RAY.clear()
+    ray.shutdown()
+
+
+_FIXTURE_RAY: list[bool] = []   # set while local_ray's cluster is up (module-scoped)
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left(request):
+    """A test that left Ray up (a Run it never finished started one) has it shut down: the next
+    test's run would join it and find its CPUs held by the actors left in it."""
+    yield
+    if _FIXTURE_RAY:   # a module's own cluster, shut down at the module's end
+        return
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        from fastdraft.cluster.ray_cluster import shutdown
+        shutdown()
+
+
 def make_tiny_checkpoint(path, model_type: str = "qwen2", vocab_size: int = 64, seed: int = 0,
                          **overrides) -> transformers.PreTrainedModel:
     configs = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,

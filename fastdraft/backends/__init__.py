@@ -17,9 +17,10 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
                   drafter_dir: Path | None, work_dir: Path, max_seq_len: int,
                   actor: Any = None) -> Any:
     """The run's rollout engine: fastdraft's own in this process (cluster.backend=local) or
-    replicas on Ray actors behind a RolloutPool (ray), or vLLM (rollout.backend=vllm); each has
-    the engine's interface. make_engine(device, host=False): a native engine. actor (an
-    ActorSpec; cluster.placement=hybrid): the workers hold the actor's ranks too."""
+    replicas on Ray actors behind a RolloutPool (ray; Ray is up: run/placement.connect_ray),
+    or vLLM (rollout.backend=vllm); each has the engine's interface. make_engine(device,
+    host=False): a native engine. actor (an ActorSpec; cluster.placement=hybrid): the workers
+    hold the actor's ranks too."""
     device = cfg.model.device
     if cfg.rollout.backend == "vllm":
         from fastdraft.backends.vllm_rollout import VllmRollout
@@ -31,18 +32,12 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
                            kv_cache_gb=rollout.kv_cache_gb)
     if cfg.cluster.backend == "local":
         return make_engine(device)
-    from fastdraft.cluster.ray_cluster import connect
     from fastdraft.workers.hybrid import head_only
     from fastdraft.workers.pool import RolloutPool
-    threads = max(cfg.cluster.worker_threads, 1)
     hybrid = cfg.cluster.placement == "hybrid"
-    started = connect(cfg.cluster, threads * cfg.cluster.rollout_workers
-                      + (0 if hybrid else cfg.actor.num_ranks - 1))
     # What the workers load, and hybrid workers' rank 0 writes (checkpoints): on every node.
     paths = {"model.path": policy_dir, "drafter.path": drafter_dir,
              **({"--run-dir": work_dir} if hybrid else {})}
     host = make_engine("cpu", host=True)   # hybrid: the workers hold the policy, not the driver
-    pool = RolloutPool(cfg.cluster, make_engine, head_only(host) if hybrid else host, device,
+    return RolloutPool(cfg.cluster, make_engine, head_only(host) if hybrid else host, device,
                        cfg.rollout.group_size, actor=actor if hybrid else None, paths=paths)
-    pool.owns_ray = started   # the run that started Ray shuts it down (Run._close_helpers)
-    return pool

@@ -217,7 +217,6 @@ class VllmRollout(HostFront):
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 
-    owns_ray = False
     captures_hidden = False   # vLLM hands out no hidden states
 
 

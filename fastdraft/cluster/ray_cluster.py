@@ -53,6 +53,15 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
     return True
 
 
+def require_ray(role: str) -> None:
+    """Ray is up (the run connects it first: run/placement.connect_ray); never Ray's own
+    auto-start, which joins whatever cluster its environment names."""
+    import ray
+    if not ray.is_initialized():
+        raise RuntimeError(f"{role} is a Ray actor and Ray is not up: connect it first "
+                           "(run/placement.connect_ray)")
+
+
 def check_address(cfg: ClusterConfig) -> None:
     """cluster.address answers on its port within cluster.connect_timeout_s, or one line says
     what to check: nothing listening there is told at once, an address that never answers (a

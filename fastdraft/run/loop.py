@@ -16,7 +16,6 @@ from fastdraft.algo.token_stats import TokenStats
 from fastdraft.engine import Completion, SamplingParams
 from fastdraft.run.stop import StopRequest
 from fastdraft.utils.memory import rss_mb
-from fastdraft.utils.process import kill_helpers
 
 if TYPE_CHECKING:
     from fastdraft.run.run import Run
@@ -28,7 +27,7 @@ def train(run: Run) -> None:
     does not fit in checkpoint.stop_grace_s (run/stop.py)."""
     last = run.cfg.algorithm.num_steps
     with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop,
-                     on_abandon=kill_helpers) as stop:
+                     on_abandon=run.kill_helpers) as stop:
         for step in range(run.start_step, last):
             run.clock.start_step()
             train_step(run, step)

@@ -1,8 +1,9 @@
-"""Where each role of a run goes: its engine built (in this process, or as a Ray worker's or
-the driver's host replica), the actor's ranks (inside the hybrid workers, processes of the run,
-or a Ray worker group), rank 0's device, and the online drafter's trainer (a process beside
-this one, inside the hybrid workers, or Ray actors on the workers' bundles). run/run.py
-composes them."""
+"""Where each role of a run goes: the Ray cluster its roles live on (joined or started: the
+local backend starts one too when a role needs a process of its own), its engine built (in
+this process, or as a Ray worker's or the driver's host replica), the actor's ranks (inside
+the hybrid workers, or rank 0 here and a Ray worker group), rank 0's device, and the online
+drafter's trainer (a Ray actor beside this process, members inside the hybrid workers, or Ray
+actors on the workers' bundles). run/run.py composes them."""
 
 from __future__ import annotations
 
@@ -19,11 +20,30 @@ from fastdraft.engine import RolloutEngine
 from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.models import ModelConfig
 from fastdraft.trainer.online_drafter import trainer_aux_layers
+from fastdraft.workers.actor_group import RayActorPeers
 from fastdraft.workers.hybrid_ranks import WorkerRanks
 from fastdraft.workers.pool import RolloutPool
 from fastdraft.workers.ranks import ActorRanks, LocalRanks
+from fastdraft.workers.trainer_actor import RayTrainer, beside
+from fastdraft.workers.trainer_group import TrainerGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def connect_ray(cfg: RunConfig) -> bool:
+    """Ray up for the run's roles where any runs outside this process: the Ray backend's
+    workers; with the local backend, the drafter's trainer (drafter.online.enabled) and actor
+    ranks 1.. (actor.num_ranks > 1). True when this call started it (the run shuts it down at
+    its end); False when none is needed or one was up already."""
+    from fastdraft.cluster.ray_cluster import connect
+    threads = max(cfg.cluster.worker_threads, 1)
+    if cfg.cluster.backend == "ray":
+        hybrid = cfg.cluster.placement == "hybrid"
+        return connect(cfg.cluster, threads * cfg.cluster.rollout_workers
+                       + (0 if hybrid else cfg.actor.num_ranks - 1))
+    if cfg.drafter.online.enabled or cfg.actor.num_ranks > 1:
+        return connect(cfg.cluster, cfg.actor.num_ranks - 1)
+    return False
 
 
 def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
@@ -51,18 +71,15 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
 def actor_ranks(cfg: RunConfig, pool: RolloutPool | None, workers: WorkerRanks | None
                  ) -> Callable[[ActorSpec], ActorRanks]:
     """Where the actor's ranks run (workers/ranks.py): inside the hybrid workers; or rank 0 in
-    this process and ranks 1..N-1 as processes of the run, or as a Ray worker group (on
-    bundles of its own, or colocated: on the rollout workers')."""
+    this process and ranks 1..N-1 as a Ray worker group (on bundles of their own, or
+    colocated: on the rollout workers')."""
     if workers is not None:
         return lambda spec: workers
-    if cfg.cluster.backend == "ray":
-        from fastdraft.workers.actor_group import RayActorPeers
-        if cfg.cluster.placement == "colocated":
-            return partial(LocalRanks, peers=partial(RayActorPeers,
-                                                     placement=pool.actor_rank_options))
-        return partial(LocalRanks, peers=partial(
-            RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
-    return LocalRanks
+    if pool is not None and cfg.cluster.placement == "colocated":
+        return partial(LocalRanks, peers=partial(RayActorPeers,
+                                                 placement=pool.actor_rank_options))
+    return partial(LocalRanks, peers=partial(
+        RayActorPeers, placement_timeout_s=cfg.cluster.placement_timeout_s))
 
 
 def actor_device(cfg: RunConfig, pool: RolloutPool | None) -> str:
@@ -74,18 +91,20 @@ def actor_device(cfg: RunConfig, pool: RolloutPool | None) -> str:
 
 
 def trainer_placement(cfg: RunConfig, pool: RolloutPool | None) -> dict[str, Any]:
-    """Where the online drafter trains: beside this process (local); inside the hybrid
-    workers (their trainer members); else as Ray actors on the rollout workers' bundles and
-    devices (ray): the pool's trainer_placement."""
+    """Where the online drafter trains: a Ray actor beside this process (local: its own
+    process, no cores reserved, on a GPU a share of the run's); inside the hybrid workers
+    (their trainer members); else as Ray actors on the rollout workers' bundles and devices
+    (ray): the pool's trainer_placement."""
     if pool is None:
-        return {}
+        gpu = cfg.model.device.startswith("cuda")
+        return {"device": "cuda:0" if gpu else None,   # the one GPU Ray shows the actor
+                "start_trainer": lambda setup, online, stats: RayTrainer(
+                    setup, online, stats, beside(cfg.model.device))}
     if cfg.cluster.drafter_training == "data_parallel":
-        from fastdraft.workers.trainer_group import TrainerGroup
         members = [pool.trainer_placement(k) for k in range(cfg.cluster.rollout_workers)]
         return {"device": pool.device,
                 "start_trainer": lambda setup, online, stats: TrainerGroup(setup, online,
                                                                            stats, members)}
-    from fastdraft.workers.trainer_actor import RayTrainer
     return {"device": pool.device,
             "start_trainer": lambda setup, online, stats: RayTrainer(
                 setup, online, stats, pool.trainer_placement())}

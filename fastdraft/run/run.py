@@ -25,6 +25,7 @@ from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
 from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.checkpoint.state import RngState
+from fastdraft.cluster.ray_cluster import shutdown
 from fastdraft.config import RunConfig, dump_config
 from fastdraft.config.recipe import config_dict
 from fastdraft.drafter import save_drafter
@@ -34,7 +35,13 @@ from fastdraft.errors import FastdraftError, Place
 from fastdraft.observability.dashboard import draw_dashboard
 from fastdraft.observability.metrics import MetricsLogger
 from fastdraft.observability.timeline import Span, TimelineLog, spans_metrics
-from fastdraft.run.placement import actor_device, actor_ranks, build_engine, trainer_placement
+from fastdraft.run.placement import (
+    actor_device,
+    actor_ranks,
+    build_engine,
+    connect_ray,
+    trainer_placement,
+)
 from fastdraft.run.preflight import preflight
 from fastdraft.run.resume_check import check_resume_config
 from fastdraft.run.stop import RunStopped, StepClock, stop_signal_in
@@ -71,6 +78,18 @@ class Run:
         self.memory_plan = inputs.plan
         atomic_write_text(run_dir / "memory_plan.json",
                           json.dumps(self.memory_plan.as_dict(), indent=1))
+        self.owns_ray = connect_ray(cfg)   # the roles outside this process live on Ray
+        try:
+            self._assemble(latest, drafter_dir, max_seq_len)
+        except BaseException:
+            if self.owns_ray:   # a start that failed leaves no cluster behind
+                shutdown()
+            raise
+
+    def _assemble(self, latest: Path | None, drafter_dir: Path | None, max_seq_len: int
+                  ) -> None:
+        """The run's roles built and placed, its state loaded from `latest` (a checkpoint)."""
+        cfg, run_dir = self.cfg, self.run_dir
         # The actor scores every position the engine can sample at (its rotary table too); a
         # resumed one starts from the checkpoint's fp32 masters.
         actor_spec = ActorSpec(
@@ -135,6 +154,7 @@ class Run:
         self.saved_step = self.start_step   # the step of the newest checkpoint of this run
         # Written once the run is built: a refused or failed start leaves the last one as it was.
         dump_config(cfg, run_dir / "config.yaml")
+
 
     def push_weights(self, version: int | None = None, advance_step: bool = False) -> int:
         """The actor's weights into the rollout engine(s): hybrid workers each load their own
@@ -237,6 +257,13 @@ class Run:
         step = validate(latest) if latest is not None else 0
         raise RunStopped(step, signum, self.run_dir, abandoned=True)
 
+    def kill_helpers(self) -> None:
+        """The roles outside this process ended at once (an abandoned step: a collective the
+        unwinding reaches then fails at once, its peer gone, instead of meeting a peer that is
+        inside another collective); closing them again later is a no-op."""
+        self.drafter.close(timeout_s=0.0)
+        self.actor.close(timeout_s=0.0)
+
     def close_after_failure(self) -> None:
         """The helpers ended after an error (raised by the caller); a failure while closing is
         printed, not raised over the error that matters."""
@@ -258,8 +285,7 @@ class Run:
             self.drafter.close(timeout_s)
             self.actor.close(timeout_s)
             self.engine.close()   # a pool's Ray workers, vLLM's processes
-            if self.pool is not None and self.pool.owns_ray:   # and Ray, when the run started it
-                from fastdraft.cluster.ray_cluster import shutdown
+            if self.owns_ray:   # and Ray, when the run started it
                 shutdown()
             self.checkpoints.close()
 
@@ -330,8 +356,8 @@ class ActorRanksLost(FastdraftError):
 def lost_actor_rank(run: Run, err: BaseException) -> str | None:
     """What an error means when an actor rank is gone: the rank's own error, or a collective
     that failed because its peer died; None for any other error."""
-    from fastdraft.actor.peers import ActorRankError
     from fastdraft.errors import exception_chain
+    from fastdraft.workers.ranks import ActorRankError
     for link in exception_chain(err):
         if isinstance(link, ActorRankError):
             return str(link).splitlines()[0]

@@ -44,7 +44,7 @@ ADMIT_SHARE = 0.5
 
 
 class SampleCollector:
-    """buffer: where samples go (a DataBuffer, or the SpotWorker's producer side).
+    """buffer: where samples go (a DataBuffer, or a trainer handle's producer side).
     budget_bytes: hidden-state bytes of running requests held at most (None: no bound).
     row_bytes: bytes of one captured token (its final and aux hidden rows, position and id),
     for `wants` to decide before anything is copied; learnt from the first record if 0."""

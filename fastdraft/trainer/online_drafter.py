@@ -1,6 +1,6 @@
 """OnlineDrafter: the RL loop's side of online drafter training. It turns the rollout's hidden
-states into DataBuffer samples as requests finish, lets the trainer (a process of its own:
-trainer/worker.py, or with the Ray backend a Ray actor, workers/trainer_actor.py) train while
+states into DataBuffer samples as requests finish, lets the trainer (a Ray actor of its own, or a
+member inside each hybrid worker: workers/trainer_actor.py, workers/trainer_group.py) train while
 the step leaves compute idle (the rollout's long tail, the actor update), and publishes the new
 drafter into the engine at the step boundary, checksummed and versioned, after a health check
 (trainer/drafter_health.py).
@@ -35,18 +35,17 @@ from fastdraft.trainer.drafter_health import DrafterHealth, published_problem
 from fastdraft.trainer.fixed_drafter import engine_drafter_state, load_engine_drafter
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup, WorkerFailure
 from fastdraft.trainer.spot import HeldOutCheck, SpotConfig, SpotStats
-from fastdraft.trainer.worker import SpotWorker
 
 
 class OnlineDrafter:
     def __init__(self, cfg: OnlineDrafterConfig, engine: Rollout, seed: int = 0,
-                 resume: dict | None = None, start_trainer: StartTrainer | None = None,
+                 resume: dict | None = None, *, start_trainer: StartTrainer,
                  device: str | None = None) -> None:
         """resume: the checkpoint's drafter state (`state_dict`): the engine's drafter, the
-        trainer's state, the health. start_trainer: the trainer's process (default: a
-        SpotWorker beside this one; the Ray backend's RayTrainer on a rollout worker's
-        bundle); device: where it trains unless drafter.online.device says (default: the
-        engine's)."""
+        trainer's state, the health. start_trainer: starts the trainer where the run places
+        it (run/placement.trainer_placement: a Ray actor of its own, or members inside the
+        hybrid workers); device: where it trains unless drafter.online.device says (default:
+        the engine's)."""
         drafter = engine.model_drafter
         if drafter is None:
             raise FastdraftError("drafter.online.enabled needs a drafter in the engine: set "
@@ -56,7 +55,7 @@ class OnlineDrafter:
         self.source = (cfg.source if cfg.source != "auto"
                        else "engine" if engine.captures_hidden else "actor")
         self.loss = online_loss(cfg.loss, drafter.kind)
-        self.start_trainer = start_trainer or _spot_worker
+        self.start_trainer = start_trainer
         self.device = cfg.device or device or str(next(engine.model.parameters()).device)
         self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps,
                                token_budget=cfg.token_budget,
@@ -189,7 +188,7 @@ class OnlineDrafter:
 
     def _settle(self) -> None:
         """The last pause in effect (the RayTrainer's pause does not wait for its running
-        micro-step; the SpotWorker's did), then what the rollout's idle time trained."""
+        micro-step), then what the rollout's idle time trained."""
         self._call("settle")
         if self._tokens_at_idle is not None:
             self.train_tokens_on_idle = self._stats().tokens - self._tokens_at_idle
@@ -199,7 +198,8 @@ class OnlineDrafter:
     def start_update(self) -> None:
         if self.cfg.during_update and self.consuming:
             self._settle()   # the idle time's tokens, before the update's are added
-            self.worker.go(every=True)   # no rollout worker generates now
+            self._call("go", None, True)   # every worker: none generates now (a trainer
+                                           # found dead by the settle is gone by now)
 
     def end_update(self) -> None:
         self._pause()
@@ -369,12 +369,6 @@ class OnlineDrafter:
 
 # ---------------------------------------------------------------------------------- helpers
 StartTrainer = Callable[[TrainerSetup, OnlineDrafterConfig, SpotStats], TrainerHandle]
-
-
-def _spot_worker(setup: TrainerSetup, cfg: OnlineDrafterConfig, stats: SpotStats
-                 ) -> TrainerHandle:
-    return SpotWorker(setup, reply_timeout_s=cfg.reply_timeout_s,
-                      inbox_samples=cfg.inbox_samples, stats=stats)
 
 
 def online_loss(loss: str | None, kind: str) -> str:

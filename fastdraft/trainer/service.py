@@ -1,10 +1,10 @@
 """TrainerService: the online drafter trainer as the RL loop calls it, whatever process it
 runs in. It owns the trainer's DataBuffer and SpotTrainer and answers the loop's calls (samples
 and rewards in, the policy head at each step, micro-steps while told to train, preemption,
-publish, state). Two handles serve it from a process of its own: `trainer/worker.py` (the
-local backend: a spawned process and two queues) and `workers/trainer_actor.py` (the Ray
-backend: a Ray actor on a rollout worker's bundle). Both call these methods by name and
-nothing else, so the two backends train the same way.
+publish, state). One handle serves it, `workers/trainer_actor.RayTrainer`, wherever it runs:
+a Ray actor of its own (the local backend's, beside the run; the Ray backend's on a rollout
+worker's bundle) or a member inside a hybrid worker. It calls these methods by name and nothing
+else, so every placement trains the same way.
 
 Thread-safe: the Ray actor trains on a thread of its own while its calls arrive on another;
 one lock orders a micro-step against the step boundary, the publish and the state."""
@@ -173,7 +173,7 @@ def policy_head_tensors(named_tensors) -> dict[str, torch.Tensor]:
 
 
 class TrainerHandle:
-    """What the RL loop holds of a TrainerService in another process (SpotWorker, RayTrainer):
+    """What the RL loop holds of a TrainerService elsewhere (RayTrainer, TrainerGroup):
     the service's calls, plus the counters its last answers carried. Calls that answer raise
     WorkerFailure when the process died, hung past its reply timeout, or raised."""
 
@@ -206,9 +206,9 @@ class TrainerHandle:
         updates) say where, for a trainer that trains on several (TrainerGroup)."""
 
     def pause(self) -> None:
-        """Stops training: no micro-step starts after it. The SpotWorker returns once the
-        running one has finished (its stats, with the preemption latency, are then in
-        self.stats); the RayTrainer at once, and its next answer waits for it (settle)."""
+        """Stops training: no micro-step starts after it. It returns at once; the next answer
+        waits for the running micro-step (settle: the stats, with the preemption latency, are
+        then in self.stats)."""
 
     def settle(self) -> None:
         """Waits for the last pause to take effect (stats included)."""

@@ -1,11 +1,11 @@
-"""The actor's ranks 1..N-1 as Ray actors (cluster.backend=ray): one worker group, placed by
-Ray in a placement group of its own (one bundle a rank: its threads, or its GPU), or with
+"""The actor's ranks 1..N-1 as Ray actors beside rank 0 in the driver (workers/ranks.LocalRanks):
+one worker group, placed by Ray in a placement group of its own (one bundle a rank: its threads,
+or its GPU; the local backend's ranks on the run's own Ray cluster), or with
 cluster.placement=colocated on the rollout workers' bundles (rank r beside worker r, sharing
 its device while the worker sleeps). torch.distributed (gloo on the CPU, nccl on GPUs) runs
-inside them exactly as in the process ranks (actor/peers.py), whose interface this keeps:
-rank 0 (the driver) sends a command to every follower, then gathers their answers in rank
-order, so the collectives inside pair up across ranks. A rank that died, failed or went
-silent is an ActorRankError naming it."""
+inside them: rank 0 (the driver) sends a command to every follower, then gathers their answers
+in rank order, so the collectives inside pair up across ranks. A rank that died, failed or
+went silent is an ActorRankError naming it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from fastdraft.actor.peers import REPLY_TIMEOUT_S, ActorRankError
 from fastdraft.actor.rank import ActorRank, ActorSpec
+from fastdraft.cluster.ray_cluster import require_ray
 from fastdraft.cluster.reserve import reserve
+from fastdraft.workers.ranks import REPLY_TIMEOUT_S, ActorRankError
 
 
 class _Rank:
@@ -49,6 +50,7 @@ class RayActorPeers:
         (colocated placement: the rollout workers', RolloutPool.actor_rank_options); None:
         a placement group of their own, one bundle (its threads, its GPU) a rank."""
         import ray
+        require_ray("actor ranks 1..")
         cls = ray.remote(_Rank)
         self.group = None
         if placement is None:
@@ -66,8 +68,7 @@ class RayActorPeers:
         gpus = 1 if spec.device.startswith("cuda") else 0
         bundle = {"CPU": num_threads, **({"GPU": gpus} if gpus else {})}
         group = reserve([bundle] * (spec.actor.num_ranks - 1), timeout_s,
-                        f"actor.num_ranks={spec.actor.num_ranks} (ranks 1.. a bundle each, "
-                        "cluster.placement=separate)")
+                        f"actor.num_ranks={spec.actor.num_ranks} (ranks 1.. a bundle each)")
         return group, lambda rank: {
             "num_cpus": num_threads, "num_gpus": gpus,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from fastdraft.actor.peers import REPLY_TIMEOUT_S, ActorRankError
 from fastdraft.models import ModelConfig
-from fastdraft.workers.ranks import PerRank, answer
+from fastdraft.workers.ranks import REPLY_TIMEOUT_S, ActorRankError, PerRank, answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from fastdraft.actor.peers import ActorRankError
 from fastdraft.actor.rank import ActorSpec
 from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.node_checks import check_nodes
@@ -47,6 +46,7 @@ from fastdraft.trainer.collector import SampleCollector
 from fastdraft.utils.weight_buckets import weight_buckets
 from fastdraft.workers.hybrid import HybridWorker, WeightSync, rendezvous
 from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all
+from fastdraft.workers.ranks import ActorRankError
 from fastdraft.workers.rollout_account import account
 from fastdraft.workers.rollout_calls import RolloutCalls
 from fastdraft.workers.rollout_worker import (
@@ -93,7 +93,6 @@ class RolloutPool(HostFront):
         self.actor = None if actor is None else self._rendezvous(actor)
         self.workers = [self._start(i) for i in range(cfg.rollout_workers)]
         self.restarts = 0
-        self.owns_ray = False   # set by whoever started Ray for this pool's run
         self.closed = False
         self._weights: list[Any] | None = None   # object refs of the newest weights' buckets
         self._drafter: tuple[Any, int, str | None] | None = None   # (ref, version, checksum)

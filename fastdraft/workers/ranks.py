@@ -1,7 +1,7 @@
 """The actor's ranks as the driver talks to them (workers/actor.py): one Protocol, two transports.
 
-- `LocalRanks`: rank 0 in this process, ranks 1..N-1 as its followers (processes of the run,
-  actor/peers.py, or Ray actors of their own, workers/actor_group.py).
+- `LocalRanks`: rank 0 in this process, ranks 1..N-1 as its followers (Ray actors,
+  workers/actor_group.py: on bundles of their own, or beside the rollout workers).
 - `WorkerRanks` (workers/hybrid_ranks.py): every rank inside a hybrid worker, beside that
   worker's engine replica; the driver holds none.
 
@@ -16,12 +16,17 @@ from typing import Any, Protocol
 
 import torch
 
-from fastdraft.actor.peers import ActorPeers
 from fastdraft.actor.rank import ActorRank, ActorSpec
 from fastdraft.actor.sharding import leave_ranks
 from fastdraft.checkpoint.snapshot import WeightSource
 
 PerRank = list[tuple] | tuple   # one argument tuple per rank, or one tuple for all
+REPLY_TIMEOUT_S = 3 * 3600.0   # one command (a long update, a checkpoint gather) at most
+
+
+class ActorRankError(RuntimeError):
+    """A rank other than the driver's failed or died; the message names it and carries its
+    traceback, or how it ended."""
 
 
 class ActorRanks(Protocol):
@@ -51,10 +56,12 @@ def answer(args: PerRank, i: int) -> tuple:
 
 class LocalRanks:
     """Rank 0 in this process, its followers started by `peers(spec)` (they start first: rank
-    0's rendezvous waits for them)."""
+    0's rendezvous waits for them; default: Ray actors on bundles of their own, Ray up)."""
 
-    def __init__(self, spec: ActorSpec, peers: Callable[[ActorSpec], Any] = ActorPeers) -> None:
+    def __init__(self, spec: ActorSpec, peers: Callable[[ActorSpec], Any] | None = None) -> None:
         self.world = spec.actor.num_ranks
+        if peers is None:
+            from fastdraft.workers.actor_group import RayActorPeers as peers
         self.peers = peers(spec) if self.world > 1 else None
         try:
             self.rank0 = ActorRank(spec, 0)

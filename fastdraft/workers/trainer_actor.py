@@ -1,8 +1,9 @@
-"""RayTrainer: the Ray backend's online drafter trainer, the TrainerService (trainer/service.py)
-in a Ray actor on a rollout worker's bundle of the pool's placement group (on a GPU node: that
-worker's GPU, so the drafter trains on the device the rollout's tail leaves idle). The loop
-calls it as it calls the local backend's SpotWorker; every call is a Ray actor call on the
-service's own method, and tensors travel as Ray serializes them.
+"""RayTrainer: the online drafter trainer, the TrainerService (trainer/service.py) behind Ray
+calls: in a Ray actor of its own (OwnActor: the local backend's, on the run's own Ray cluster,
+so that it shares nothing with the RL loop but the machine: no GIL, its own torch threads; the
+Ray backend's on a rollout worker's bundle, on a GPU node that worker's GPU, which the
+rollout's tail leaves idle), or inside a hybrid worker (InWorker). Every call is a Ray actor
+call on the service's own method, and tensors travel as Ray serializes them.
 
 Inside the actor one thread trains (a micro-step at a time while `go` is set) and Ray's own
 thread serves the calls, so a `pause` returns within one micro-step and samples keep arriving
@@ -10,8 +11,13 @@ while it trains. The calls that answer nothing (samples, rewards, the step, the 
 held and sent together (`apply`: every `SEND_EVERY` calls, or before the next call that
 answers, or at a `go` while training), not one Ray call each: a rollout's rewards are one call.
 Every answer is awaited at most drafter.online.reply_timeout_s: a dead, hung or raising actor
-becomes a WorkerFailure, as the SpotWorker's process does, and the online drafter restarts it
-from the last good drafter."""
+becomes a WorkerFailure, and the online drafter restarts it from the last good drafter.
+
+Bound (drafter.online.inbox_samples): samples sent and not yet taken by the actor never exceed
+it. A sample past it is dropped and counted (the trainer is behind, or gone: never pile up); a
+batch of them (the actor's forward over a step's rollout) waits for room, at most the reply
+timeout in all. A Ray reference to a rollout worker's share goes from the worker's object
+store to the trainer without passing the driver, and is not counted."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fastdraft.cluster.ray_cluster import require_ray
 from fastdraft.config.sections import OnlineDrafterConfig
 from fastdraft.databuffer import Sample
 from fastdraft.errors import FastdraftError
@@ -33,13 +40,16 @@ from fastdraft.trainer.service import (
     policy_head_tensors,
 )
 from fastdraft.trainer.spot import Published, SpotStats
-from fastdraft.trainer.worker import STARTUP_GRACE_S, device_stream
+from fastdraft.trainer.stream import device_stream
 from fastdraft.utils.objects import resolved
 from fastdraft.utils.process import run_when_idle
 
 TRAINER = "trainer"   # a hybrid worker's concurrency group of its trainer member's calls
 SEND_EVERY = 64   # calls held at most before they are sent as one
 FEED = ("add", "add_many", "set_reward", "advance_step", "sync_policy")   # what `apply` takes
+#: Added to the reply timeout until the first reply: starting a process (imports, a CUDA
+#: context, the trainer's weights) is not hanging.
+STARTUP_GRACE_S = 120.0
 
 
 class TrainerActor:
@@ -125,6 +135,7 @@ class OwnActor:
 
     def start(self, body: type, setup: TrainerSetup, args: tuple) -> OwnActor:
         import ray
+        require_ray("the drafter trainer")
         self.actor = ray.remote(body).options(max_restarts=0, **self.options).remote(
             setup, *args)
         return self
@@ -136,6 +147,19 @@ class OwnActor:
         import ray
         if ray.is_initialized():   # else Ray went down already, and the actor with it
             ray.kill(self.actor, no_restart=True)
+
+
+#: A trainer actor beside the run's own process claims this share of the run's GPU (Ray's
+#: count; it trains in the rollout's tail and the update, when the engine leaves it idle).
+BESIDE_GPU_SHARE = 0.1
+
+
+def beside(device: str) -> OwnActor:
+    """A trainer body in a Ray actor of its own beside this process (the local backend): no
+    cores reserved (it trains at the lowest priority); on a GPU a share of one, which the actor
+    sees as cuda:0 (with several GPUs visible, Ray's first)."""
+    gpu = device.startswith("cuda")
+    return OwnActor({"num_cpus": 0, **({"num_gpus": BESIDE_GPU_SHARE} if gpu else {})})
 
 
 class InWorker:
@@ -171,8 +195,12 @@ class RayTrainer(TrainerHandle):
                  where: Placement, body: type = TrainerActor, args: tuple = ()) -> None:
         super().__init__(stats)
         self.reply_timeout_s = cfg.reply_timeout_s
+        self.inbox_samples = cfg.inbox_samples
         self.host: TrainerHost = where.start(body, setup, args)
         self._pending: list[tuple[str, tuple]] = []
+        self._held = 0   # samples in self._pending
+        self._unread: list[tuple[Any, int]] = []   # (an `apply` not answered yet, its samples)
+        self._taken: list[Any] = []   # `apply`s answered, their errors not looked at yet
         self._going = False
         self._pausing: Any = None   # the future of a pause not waited for yet
         self._dead: str | None = None
@@ -188,10 +216,46 @@ class RayTrainer(TrainerHandle):
 
     # producer side (what SampleCollector calls): held, then sent as one call
     def add(self, sample: Sample) -> None:
-        self._hold("add", sample)
+        if self._room(1, wait_s=0.0):
+            self._held += 1
+            self._hold("add", sample)
 
     def add_many(self, samples: list[Sample] | Any) -> None:
-        self._hold("add_many", samples)   # a reference stays one: the actor fetches it
+        if not isinstance(samples, list):
+            self._hold("add_many", samples)   # a reference stays one: the actor fetches it
+            return
+        deadline = time.monotonic() + self.reply_timeout_s
+        for sample in samples:
+            if self._room(1, wait_s=max(0.0, deadline - time.monotonic())):
+                self._held += 1
+                self._hold("add", sample)
+
+    def _room(self, n: int, wait_s: float) -> bool:
+        """Room for n more samples in the inbox within wait_s (what the actor took frees
+        some), else they are dropped and counted."""
+        import ray
+        if not self.alive:
+            self.inbox_dropped += n
+            return False
+        if not self.inbox_samples:
+            return True
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._unread:
+                futures = [f for f, _ in self._unread]
+                done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
+                self._unread = [(f, k) for f, k in self._unread if f not in done]
+                self._taken += done
+            if self._held + sum(k for _, k in self._unread) + n <= self.inbox_samples:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.inbox_dropped += n
+                return False
+            if self._held:
+                self._send()   # what is held goes, so that its taking can free room
+            if self._unread:
+                ray.wait([self._unread[0][0]], timeout=min(left, 1.0))
 
     def set_reward(self, key: tuple[int, int], reward: float | None) -> None:
         self._hold("set_reward", key, reward)
@@ -256,8 +320,9 @@ class RayTrainer(TrainerHandle):
     # calls
     def _send(self) -> None:
         calls, self._pending = self._pending, []
+        held, self._held = self._held, 0
         if calls and self.alive:
-            self.host.call("apply", calls)
+            self._unread.append((self.host.call("apply", calls), held))
 
     def _call(self, method: str, *args: Any) -> Any:
         """The actor's `method` after the calls held (Ray runs an actor's calls in the order
@@ -272,7 +337,13 @@ class RayTrainer(TrainerHandle):
         if future is None:
             raise WorkerFailure(f"the drafter trainer is gone ({self.death})")
         try:
-            return ray.get(future, timeout=self.reply_timeout_s + grace_s)
+            value = ray.get(future, timeout=self.reply_timeout_s + grace_s)
+            # The `apply`s that ran meanwhile answer nothing: an error in one is seen here.
+            sent = self._taken + [f for f, _ in self._unread]
+            done, _ = ray.wait(sent, num_returns=len(sent), timeout=0) if sent else ([], [])
+            self._taken, self._unread = [], [(f, k) for f, k in self._unread if f not in done]
+            ray.get(done)
+            return value
         except ray.exceptions.GetTimeoutError:
             raise WorkerFailure(f"the drafter trainer sent no {method!r} reply in "
                                 f"{self.reply_timeout_s:g} s (drafter.online.reply_timeout_s): "

@@ -33,7 +33,7 @@ from fastdraft.databuffer import Sample
 from fastdraft.trainer.data_parallel import agree, token_weighted_grads
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup
 from fastdraft.trainer.spot import Published, SpotStats
-from fastdraft.trainer.worker import device_stream
+from fastdraft.trainer.stream import device_stream
 from fastdraft.utils.process import run_when_idle
 from fastdraft.workers.trainer_actor import Placement, RayTrainer, TrainerActor
 

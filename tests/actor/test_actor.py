@@ -159,6 +159,7 @@ def test_the_lr_schedule_counts_optimizer_steps(tiny_checkpoint):
     assert actor.spec.total_optimizer_steps == 8
 
 
+@pytest.mark.usefixtures("local_ray")   # ranks 1.. are Ray actors
 def test_the_weight_push_gathers_one_parameter_at_a_time(tiny_checkpoint):
     path, _ = tiny_checkpoint
     actor = Actor(spec(path, num_ranks=2, compute_dtype="bfloat16"))
@@ -177,6 +178,7 @@ def test_the_weight_push_gathers_one_parameter_at_a_time(tiny_checkpoint):
         actor.close()
 
 
+@pytest.mark.usefixtures("local_ray")   # ranks 1.. are Ray actors
 def test_two_ranks_give_the_one_rank_gradient_gate_logprobs_and_weights(tiny_checkpoint):
     """FSDP2 over 2 processes (gloo): the same gradient (through AdamW's first moment), the
     same logprobs for the gate, one optimizer step, and a gathered push that the engine runs."""
@@ -210,6 +212,7 @@ def test_two_ranks_give_the_one_rank_gradient_gate_logprobs_and_weights(tiny_che
     assert met2["actor/loss"] == pytest.approx(met1["actor/loss"], rel=1e-5)
 
 
+@pytest.mark.usefixtures("local_ray")   # ranks 1.. are Ray actors
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_activation_checkpointing_gives_the_same_gradient(tiny_checkpoint, ranks):
     """Each layer recomputed in the backward (FSDP2 re-gathers its weights there): the same

@@ -15,6 +15,7 @@ from fastdraft.config import load_recipe
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-qwen3-eagle3.yaml"
 
 
+@pytest.mark.usefixtures("local_ray")   # the trainer is a Ray actor
 @pytest.mark.parametrize("captures", [True, False])
 def test_auto_source_is_the_engines_capture_where_it_has_one_else_the_actor(
         char_policy, char_drafter, captures):

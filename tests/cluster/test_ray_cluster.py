@@ -140,3 +140,15 @@ def _name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def test_a_role_started_while_ray_is_down_is_refused_not_auto_started():
+    """Ray's own auto-start would join whatever cluster the environment names (a test once
+    hung in it): the run connects Ray first, and a role started without it is a bug."""
+    import ray
+
+    from fastdraft.workers.trainer_actor import OwnActor, TrainerActor
+    assert not ray.is_initialized()
+    with pytest.raises(RuntimeError, match="Ray is not up"):
+        OwnActor({"num_cpus": 0}).start(TrainerActor, None, ())
+    assert not ray.is_initialized()

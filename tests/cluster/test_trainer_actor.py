@@ -1,10 +1,10 @@
-"""RayTrainer: the online drafter trainer as a Ray actor trains exactly as the local backend's
-process does (the same TrainerService), trains only while told to and idles within a
-micro-step of a pause, and a killed actor is a
-WorkerFailure for the loop, never a hang."""
+"""RayTrainer: the online drafter trainer as a Ray actor trains exactly as its TrainerService
+does in this process, trains only while told to and idles within a micro-step of a pause, and
+a killed actor is a WorkerFailure for the loop, never a hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -13,9 +13,13 @@ import pytest
 import torch
 
 from fastdraft.config.sections import OnlineDrafterConfig
-from fastdraft.trainer.service import TrainerSetup, WorkerFailure
+from fastdraft.trainer.service import (
+    TrainerService,
+    TrainerSetup,
+    WorkerFailure,
+    policy_head_tensors,
+)
 from fastdraft.trainer.spot import SpotConfig, SpotStats
-from fastdraft.trainer.worker import SpotWorker
 from fastdraft.utils.process import LOWEST_NICE
 from tests.trainer.test_spot import _samples, _setup, train_until
 
@@ -44,27 +48,31 @@ def _ray_trainer(setup: TrainerSetup):
     return RayTrainer(setup, CFG, SpotStats(), OwnActor({"num_cpus": 0}))
 
 
-def test_the_ray_trainer_trains_exactly_as_the_local_process(local_ray, tiny_checkpoint):
+def test_the_ray_trainer_trains_exactly_as_its_service_in_this_process(local_ray,
+                                                                        tiny_checkpoint):
     policy, drafter = _setup(tiny_checkpoint)
     samples = _samples(policy, 12, step=1)   # after advance_step: the buffer's step 1
-    published = []
-    # The rest arrive as a rollout worker's batch: a Ray reference the actor opens itself.
-    for start, batch in ((lambda s: SpotWorker(s), samples[4:]),
-                         (_ray_trainer, ray.put(samples[4:]))):
-        trainer = start(_trainer_setup(policy, drafter))
-        try:
-            trainer.advance_step()
-            trainer.sync_policy(policy.named_parameters())
-            for s in samples[:4]:
-                trainer.add(s)
-            trainer.add_many(batch)
-            for i, s in enumerate(samples):
-                trainer.set_reward((s.rl_step, s.request_index), float(i % 3))
-            published.append(trainer.publish(min_steps=4))   # four micro-steps, no idle time
-            assert trainer.stats.steps == 4 and trainer.buffer_bytes > 0
-        finally:
-            trainer.close()
-    local, remote = published
+    here = TrainerService(_trainer_setup(policy, drafter))
+    here.advance_step()
+    here.sync_policy(policy_head_tensors(policy.named_parameters()))
+    here.add_many(samples)
+    for i, s in enumerate(samples):
+        here.set_reward((s.rl_step, s.request_index), float(i % 3))
+    local = here.publish(min_steps=4).published   # four micro-steps, no idle time
+    trainer = _ray_trainer(_trainer_setup(policy, drafter))
+    try:
+        trainer.advance_step()
+        trainer.sync_policy(policy.named_parameters())
+        for s in samples[:4]:
+            trainer.add(s)
+        # The rest arrive as a rollout worker's batch: a Ray reference the actor opens itself.
+        trainer.add_many(ray.put(samples[4:]))
+        for i, s in enumerate(samples):
+            trainer.set_reward((s.rl_step, s.request_index), float(i % 3))
+        remote = trainer.publish(min_steps=4)
+        assert trainer.stats.steps == 4 and trainer.buffer_bytes > 0
+    finally:
+        trainer.close()
     assert remote.version == local.version == 1
     assert remote.checksum == local.checksum   # bit for bit: one trainer, two processes
 
@@ -110,3 +118,19 @@ def test_a_killed_trainer_actor_is_a_worker_failure(local_ray, tiny_checkpoint):
     finally:
         trainer.close()
 
+
+
+def test_the_held_out_check_crosses_from_the_actor(local_ray, tiny_checkpoint):
+    from fastdraft.utils.digest import tensor_digest
+    policy, drafter = _setup(tiny_checkpoint)
+    setup = dataclasses.replace(_trainer_setup(policy, drafter), holdout_every=2)
+    trainer = _ray_trainer(setup)
+    try:
+        for sample in _samples(policy, 6):
+            trainer.add(sample)
+        published = trainer.publish()   # untrained: the serving drafter, a tie, published
+        assert published.check is not None and published.check.chains > 0
+        assert published.check.passed and published.version == 1
+        assert published.checksum == tensor_digest(published.tensors)
+    finally:
+        trainer.close()

@@ -37,8 +37,6 @@ def _cfg(char_policy, tmp_path, *extra):
 
 def _kill_rank1_after_step(run_dir, step: int) -> threading.Thread:
     """SIGKILLs the process of actor rank 1 once metrics.jsonl has `step` rows."""
-    import multiprocessing
-
     import psutil
 
     def watch() -> None:
@@ -48,10 +46,6 @@ def _kill_rank1_after_step(run_dir, step: int) -> threading.Thread:
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= step:
                 break
             time.sleep(0.05)
-        for child in multiprocessing.active_children():
-            if child.name == "fastdraft-actor-rank1":
-                os.kill(child.pid, signal.SIGKILL)
-                return
         # A Ray rank: its worker process, under this process's own Ray cluster.
         for proc in psutil.Process().children(recursive=True):
             try:
@@ -151,21 +145,3 @@ def test_ranks_that_keep_dying_end_the_run_with_one_clear_error(char_policy, tmp
     with pytest.raises(ActorRanksLost, match=r"actor rank 1 died.*max_actor_restarts=0.*--resume"):
         run_recipe(_cfg(char_policy, tmp_path, "cluster.max_actor_restarts=0"), run_dir)
     watcher.join(timeout=5)
-
-
-def test_a_death_still_on_its_way_is_seen_within_the_grace():
-    """A killed rank's sockets close a moment before its exit can be reaped, so rank 0's
-    collective may fail first: the check watches for the death for a while before calling
-    the error something else (CI once saw a gloo error escape as itself)."""
-    import multiprocessing
-
-    from fastdraft.actor.peers import ActorPeers
-    peers = ActorPeers.__new__(ActorPeers)   # only its processes matter here
-    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(1.0,))
-    process.start()
-    peers.processes = [process]
-    try:
-        assert peers.lost() is None
-        assert peers.lost(grace_s=30.0) == "actor rank 1 died (exit code 0)"
-    finally:
-        process.join()

@@ -1,17 +1,30 @@
-"""Helpers for the online drafter tests: an EAGLE engine, and one RL step of the drafter's
-side without an actor."""
+"""Helpers for the online drafter tests: an EAGLE engine, an OnlineDrafter whose trainer is a
+Ray actor of its own (as the local backend places it; Ray up: the local_ray fixture), and one
+RL step of the drafter's side without an actor."""
 
 from __future__ import annotations
 
 import time
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
+from fastdraft.config.sections import OnlineDrafterConfig
+from fastdraft.trainer.online_drafter import OnlineDrafter
 
 
 def eagle_engine(policy, drafter, aux: tuple[int, ...] = ()) -> RolloutEngine:
     return RolloutEngine(policy, max_batch_size=8, max_seq_len=64, drafter=drafter,
                          spec=SpecConfig(method="eagle", depth=3, topk=2, tokens_to_verify=4),
                          capture_aux_layers=aux)
+
+
+def start_own_actor(setup, cfg, stats):
+    """The local backend's trainer: a Ray actor of its own beside this process."""
+    from fastdraft.workers.trainer_actor import RayTrainer, beside
+    return RayTrainer(setup, cfg, stats, beside(setup.spot.device))
+
+
+def online_drafter(cfg: OnlineDrafterConfig, engine, **kwargs) -> OnlineDrafter:
+    return OnlineDrafter(cfg, engine, start_trainer=start_own_actor, **kwargs)
 
 
 PROMPTS = [[5 + i, 9, 11 + 2 * i, 7] for i in range(6)]

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.trainer.spot import Published
 from fastdraft.utils.digest import tensor_digest
 from tests.run.test_loop import _cfg
-from tests.trainer.online_helpers import drive_step, eagle_engine
+from tests.trainer.online_helpers import drive_step, eagle_engine, online_drafter
 
 ON_RAY = pytest.mark.xdist_group("ray")   # one Ray cluster at a time (the [ray] case only)
 
@@ -31,9 +32,12 @@ ONLINE = ["rollout.spec.method=eagle", "drafter.online.enabled=true",
           "drafter.online.token_budget=64", "drafter.online.tail_fraction=1.0",
           "drafter.export=false"]
 
+# One Ray cluster for the module: the trainers the tests start, and the runs (which join it).
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 
 def _online(engine, **cfg) -> OnlineDrafter:
-    return OnlineDrafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
+    return online_drafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
                                              **cfg), engine)
 
 
@@ -93,14 +97,16 @@ def test_a_worker_that_stops_replying_costs_one_timeout_then_is_restarted(char_p
     online = _online(engine, reply_timeout_s=2.0, max_restarts=1)
     try:
         drive_step(online, engine, 0)
-        hung = online.worker.process
-        os.kill(hung.pid, signal.SIGSTOP)   # alive, never replies
+        hung = psutil.Process(online.worker.pid)
+        hung.suspend()   # SIGSTOP: alive, never replies
         start = time.monotonic()
         metrics = drive_step(online, engine, 1, train_s=0.0)
         assert time.monotonic() - start < 30   # one bounded wait, not reply_timeout x calls
         assert metrics["drafter/worker_failures"] == 1 and metrics["drafter/restarts"] == 1
-        hung.join(timeout=10)
-        assert not hung.is_alive()   # the hung process was killed
+        deadline = time.monotonic() + 30
+        while hung.is_running() and hung.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the hung trainer's process was not killed"
+            time.sleep(0.1)
         version = engine.drafter_version
         drive_step(online, engine, 2, train_s=4.0)
         assert engine.drafter_version > version   # the new worker trains and publishes
@@ -187,7 +193,7 @@ def test_the_health_and_the_trained_drafter_survive_a_checkpoint(char_policy, ch
     tensors: dict = {}
     state = unflatten(flatten(state, "drafter", tensors), tensors)   # as the checkpoint does
     fresh = eagle_engine(char_policy, char_drafter)
-    resumed = OnlineDrafter(online.cfg, fresh, resume=state)
+    resumed = online_drafter(online.cfg, fresh, resume=state)
     try:
         assert fresh.spec.method == "none" and resumed.health.fallback
         assert resumed.health.fallbacks == 1 and resumed.version == online.version

@@ -13,6 +13,10 @@ from fastdraft.observability.metrics import read_metrics
 from fastdraft.run.loop import train, train_step
 from fastdraft.run.run import Run
 from tests.run.test_loop import _cfg
+from tests.trainer.online_helpers import online_drafter
+
+# One Ray cluster for the module: the trainers the tests start, and the runs (which join it).
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def test_the_drafter_trains_online_and_is_published_every_step(char_policy, char_drafter,
@@ -99,9 +103,8 @@ def test_after_a_resume_per_step_counters_stay_per_step_and_totals_continue(
 
 def test_a_collapsed_drafter_falls_back_to_plain_decoding(char_policy, char_drafter):
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.trainer.online_drafter import OnlineDrafter
     engine = _eagle_engine(char_policy, char_drafter)
-    online = OnlineDrafter(OnlineDrafterConfig(enabled=True), engine)
+    online = online_drafter(OnlineDrafterConfig(enabled=True), engine)
     try:
         for accept in (1.1, 1.0, 1.05):
             metrics = online.after_step(engine, accept)
@@ -171,21 +174,20 @@ def test_an_eagle3_drafter_trains_online_in_an_rl_run(char_policy, char_eagle3, 
 def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_policy,
                                                                        char_eagle3):
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.trainer.online_drafter import OnlineDrafter
     engine = _eagle_engine(char_policy, char_eagle3)
     with pytest.raises(ValueError, match=r"loss=eagle1 trains an eagle1 drafter"):
-        OnlineDrafter(OnlineDrafterConfig(enabled=True, loss="eagle1"), engine)
+        online_drafter(OnlineDrafterConfig(enabled=True, loss="eagle1"), engine)
     for loss, want in ((None, "eagle3"), ("reward_kd", "reward_kd")):
-        online = OnlineDrafter(OnlineDrafterConfig(enabled=True, loss=loss), engine)
+        online = online_drafter(OnlineDrafterConfig(enabled=True, loss=loss), engine)
         online.close()
         assert (online.loss, online.spot.loss) == (want, want)
         assert online.device == online.spot.device == "cpu"   # the policy's device
-    online = OnlineDrafter(OnlineDrafterConfig(enabled=True, lr=2e-4, lr_warmup_steps=24), engine)
+    online = online_drafter(OnlineDrafterConfig(enabled=True, lr=2e-4, lr_warmup_steps=24), engine)
     online.close()
     assert (online.spot.lr, online.spot.lr_warmup_steps) == (2e-4, 24)   # the recipe's ramp
     if not torch.cuda.is_available():   # never a silent fallback to the host's cores
         with pytest.raises(ValueError, match="no CUDA device"):
-            OnlineDrafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)
+            online_drafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)
 
 
 
@@ -194,11 +196,10 @@ def test_a_drafter_that_loses_on_the_held_out_rollouts_is_withheld(char_policy, 
     test_spot.py): a withheld drafter leaves the engine's in place, is no failure, and the
     next one that wins is published."""
     from fastdraft.config.sections import OnlineDrafterConfig
-    from fastdraft.trainer.online_drafter import OnlineDrafter
     from fastdraft.trainer.spot import HeldOutCheck, Published
     from tests.trainer.online_helpers import drive_step, eagle_engine
     engine = eagle_engine(char_policy, char_drafter)
-    online = OnlineDrafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
+    online = online_drafter(OnlineDrafterConfig(enabled=True, token_budget=64, tail_fraction=1.0,
                                                holdout_every=2, min_steps_per_step=2), engine)
     try:
         metrics = drive_step(online, engine, 0)

@@ -1,11 +1,10 @@
-"""SpotTrainer and SpotWorker: preemptible micro-steps, versioned and checksummed publishing,
-a worker process that trains from the samples it is sent and publishes what it trained."""
+"""SpotTrainer: preemptible micro-steps, versioned and checksummed publishing, a resumed
+trainer that continues exactly (the Ray actor that serves it: tests/cluster/)."""
 
 from __future__ import annotations
 
+import io
 import random
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,7 +14,6 @@ import torch
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter import build_drafter
 from fastdraft.models import load_model
-from fastdraft.trainer.service import TrainerSetup
 from fastdraft.trainer.spot import (
     MAX_LATENCIES,
     PolicyHead,
@@ -23,7 +21,6 @@ from fastdraft.trainer.spot import (
     SpotTrainer,
     StopEvent,
 )
-from fastdraft.trainer.worker import SpotWorker
 from fastdraft.utils.digest import tensor_digest
 
 
@@ -100,80 +97,9 @@ def train_until(trainer, samples: list[Sample], steps: int, timeout_s: float = 6
         time.sleep(0.2)
 
 
-def _worker(policy, drafter, **setup) -> SpotWorker:
-    return SpotWorker(TrainerSetup(
-        drafter=drafter, policy_config=policy.config,
-        embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
-        spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0,
-        num_threads=1, **setup))
-
-
-def test_the_worker_process_trains_on_what_it_is_sent(tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    worker = _worker(policy, drafter)
-    try:
-        first = worker.publish()
-        assert worker.stats.steps == 0
-        train_until(worker, _samples(policy, 12), steps=3)
-        worker.pause()
-        paused_at = worker.stats.steps
-        assert worker.stats.preemptions == 1
-        time.sleep(0.3)
-        published = worker.publish()
-        assert worker.stats.steps == paused_at     # idle once paused
-        assert published.checksum == tensor_digest(published.tensors) != first.checksum
-    finally:
-        worker.close()
-    assert not worker.process.is_alive()
-
-
-def test_the_held_out_check_crosses_from_the_worker_process(tiny_checkpoint):
-    policy, drafter = _setup(tiny_checkpoint)
-    worker = _worker(policy, drafter, holdout_every=2)
-    try:
-        for sample in _samples(policy, 6):
-            worker.add(sample)
-        published = worker.publish()   # untrained: the serving drafter, a tie, published
-        assert published.check is not None and published.check.chains > 0
-        assert published.check.passed and published.version == 1
-        assert published.checksum == tensor_digest(published.tensors)
-    finally:
-        worker.close()
-
-
-_DEAD_WORKER = """
-import sys, torch
-from fastdraft.drafter import build_drafter
-from fastdraft.models import load_model
-from fastdraft.trainer.spot import SpotConfig
-from fastdraft.trainer.service import TrainerSetup
-from fastdraft.trainer.worker import SpotWorker
-policy = load_model(sys.argv[1]).eval()
-worker = SpotWorker(TrainerSetup(
-    drafter=build_drafter("eagle1", policy.config, 128), policy_config=policy.config,
-    embed=policy.model.embed_tokens.weight.detach().clone(), lm_head=None,
-    spot=SpotConfig(token_budget=64), buffer_bytes=2**24, offset_mix=0.5, seed=0, num_threads=1))
-worker.process.kill()
-worker.process.join()
-for _ in range(8):   # more than a pipe holds, for a reader that is gone
-    worker.sync_policy([("model.embed_tokens.weight", torch.zeros(512, 512))])
-worker.close()
-print("CLOSED")
-"""
-
-
-def test_a_run_whose_worker_died_still_exits(tiny_checkpoint):
-    """What was queued for a dead worker must not keep the process from exiting (a worker
-    that crashed at the end of a run left `bench recipe` hanging, spinning a core)."""
-    out = subprocess.run([sys.executable, "-c", _DEAD_WORKER, str(tiny_checkpoint[0])],
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 0 and "CLOSED" in out.stdout, out.stderr[-2000:]
-
-
 def test_a_trainer_resumed_from_its_state_continues_exactly(tiny_checkpoint):
     """Weights, optimizer moments, counters and the buffer's sampling RNG come back: the
     resumed trainer draws the same batches and reaches the same weights as one never stopped."""
-    from fastdraft.trainer.worker import pickle_state, unpickle_state
     policy, drafter = _setup(tiny_checkpoint)
 
     def trainer(d):
@@ -185,7 +111,7 @@ def test_a_trainer_resumed_from_its_state_continues_exactly(tiny_checkpoint):
     for _ in range(3):
         first.step()
     first.record_preemption(time.perf_counter())
-    state = unpickle_state(pickle_state(first.state()))   # as it crosses to the checkpoint
+    state = _through_bytes(first.state())   # as it crosses to the checkpoint
     torch.manual_seed(1)
     resumed = trainer(build_drafter("eagle1", policy.config, 128))   # other initial weights
     resumed.load_state(state)
@@ -292,3 +218,11 @@ def test_a_trained_drafter_is_published_only_if_it_beats_the_serving_one_on_held
     # Without held-out rollouts nothing is checked: every publish goes out.
     plain = SpotTrainer(drafter, PolicyHead.of(policy), DataBuffer(2**24), SpotConfig())
     assert plain.publish().check is None
+
+
+def _through_bytes(tree: dict) -> dict:
+    """A state tree saved and loaded again (torch.save: what a checkpoint writes)."""
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)

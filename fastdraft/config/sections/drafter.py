@@ -51,8 +51,8 @@ class OnlineDrafterConfig:
     are captured, each admitted at its prefill while half of it is free, cut where it
     outgrows the rest; what is not captured is counted in drafter/dropped_tokens
     (trainer/collector.py).
-    inbox_samples: samples queued for the trainer process at most; one more is dropped
-    (counted in drafter/inbox_dropped), so a slow trainer never grows the queue.
+    inbox_samples: samples sent to the trainer and not yet taken by it at most; one more is
+    dropped (counted in drafter/inbox_dropped), so a slow trainer never grows the queue.
 
     When the trainer fails (none of it stops the run):
     reply_timeout_s: the longest wait for the trainer process; past it the worker counts as

@@ -73,6 +73,13 @@ class RunConfig:
                  f"actor.num_ranks={self.cluster.rollout_workers} (the workers) or "
                  f"cluster.rollout_workers={self.actor.num_ranks} (now actor.num_ranks="
                  f"{self.actor.num_ranks})")
+        _require(self.cluster.backend != "local" or self.actor.num_ranks == 1
+                 or not self.model.device.startswith("cuda"),
+                 f"actor.num_ranks={self.actor.num_ranks} on GPUs spreads the actor over "
+                 f"{self.actor.num_ranks} devices, and cluster.backend=local rolls out on one: "
+                 f"set cluster.backend=ray cluster.placement=hybrid cluster.rollout_workers="
+                 f"{self.actor.num_ranks} (every GPU holds an actor rank and rolls out), or "
+                 "actor.num_ranks=1")
         worker_device = self.cluster.worker_device or self.model.device
         _require(self.cluster.gpus_per_worker == 1 or worker_device.startswith("cuda"),
                  f"cluster.gpus_per_worker={self.cluster.gpus_per_worker} shares GPUs, and the "
