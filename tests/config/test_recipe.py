@@ -40,6 +40,9 @@ def test_a_recipe_and_dotted_overrides_build_checked_sections(tmp_path):
      r"window_context must be in \[0, 64\]"),
     ("name: t\n", "drafter.online.lr_warmup_steps=-1", "lr_warmup_steps must be >= 0"),
     ("name: t\n", "drafter.online.holdout_every=1", "holdout_every must be 0 .* or >= 2"),
+    # the local backend rolls out on one device: 8 GPUs of actor ranks take the hybrid layout
+    ("model:\n  device: cuda\nactor:\n  num_ranks: 8\n", None,
+     "set cluster.backend=ray cluster.placement=hybrid cluster.rollout_workers=8"),
 ])
 def test_mistakes_name_what_to_change(tmp_path, text, override, message):
     with pytest.raises(ValueError, match=message):
