@@ -42,7 +42,9 @@ def _no_ray_left(request):
     import sys
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
+        from fastdraft.actor.sharding import leave_ranks
         from fastdraft.cluster.ray_cluster import shutdown
+        leave_ranks()   # an actor left open: its group goes before its follower ranks do
         shutdown()
 
 
