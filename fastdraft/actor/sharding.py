@@ -164,8 +164,10 @@ class UnitGathered:
     """A sharded model's full parameters in the compute dtype, gathered one FSDP unit at a time
     (FSDP2's `unshard`: one all-gather for a decoder layer's parameters together, one for the
     root's: what its forward does), for a consumer in that dtype (an engine serving in it: the
-    gathered tensors are the fp32 masters cast as the engine's own cast would). Peak: the root
-    and one layer. Same contract as Gathered: `named_parameters()` once, `finish()` always."""
+    gathered tensors are the fp32 masters cast as the engine's own cast would). The next
+    layer's gather runs while the consumer copies this one's (FSDP2's own forward prefetch):
+    peak the root and two layers. Same contract as Gathered: `named_parameters()` once,
+    `finish()` always."""
 
     def __init__(self, model: CausalLM) -> None:
         self.config = model.config
@@ -182,9 +184,16 @@ class UnitGathered:
     def _walk(self) -> Iterator[tuple[str, torch.Tensor]]:
         model = self._model
         model.unshard()   # the root: embedding, final norm, lm_head
-        try:
-            for i, layer in enumerate(model.model.layers):
-                layer.unshard()
+        layers = list(model.model.layers)
+        ahead = None   # (index, handle): the next unit's all-gather, running while the
+        try:           # consumer copies this one's tensors
+            for i, layer in enumerate(layers):
+                if ahead is None:
+                    layer.unshard()
+                else:
+                    ahead[1].wait()
+                ahead = (i + 1, layers[i + 1].unshard(async_op=True)) if i + 1 < len(
+                    layers) else None
                 try:
                     for name, param in layer.named_parameters():
                         yield f"model.layers.{i}.{name}", param.detach()
@@ -194,4 +203,7 @@ class UnitGathered:
                 if not name.startswith("model.layers."):
                     yield name, param.detach()
         finally:
+            if ahead is not None:   # left early: that gather is done and given back too
+                ahead[1].wait()
+                layers[ahead[0]].reshard()
             model.reshard()
