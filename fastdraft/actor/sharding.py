@@ -160,6 +160,19 @@ class Gathered:
         self._done = sum(1 for _ in self._model.named_parameters())
 
 
+def broadcast_flat(tensors: list[torch.Tensor], src: int) -> None:
+    """`tensors` broadcast in place from rank `src` (every rank passes the same shapes and
+    dtypes, in the same order): one collective per dtype, over a flat buffer."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.broadcast(flat, src)
+        for tensor, part in zip(group, flat.split([t.numel() for t in group])):
+            tensor.copy_(part.view_as(tensor))
+
+
 class UnitGathered:
     """A sharded model's full parameters in the compute dtype, gathered one FSDP unit at a time
     (FSDP2's `unshard`: one all-gather for a decoder layer's parameters together, one for the

@@ -177,7 +177,8 @@ class VllmRollout(HostFront):
         return version
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None, checksum: str | None = None) -> int:
+                             version: int | None = None, checksum: str | None = None,
+                             held_by: int | None = None) -> int:
         """The drafter's trainable tensors (fastdraft names), checksum-checked by the host,
         into every vLLM worker under the names the export gives them."""
         named = [(name, t.detach().cpu()) for name, t in named_tensors]

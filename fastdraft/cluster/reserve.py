@@ -6,7 +6,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.errors import FastdraftError
+
+#: Of a rollout worker's GPU, what the drafter trainer's actor claims, and with colocated
+#: placement the actor rank beside it (Ray's bookkeeping: every process sees the whole device).
+TRAINER_GPU_SHARE = 0.1
+ACTOR_GPU_SHARE = 0.4
+
+
+def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
+    """What a rollout worker's placement bundle reserves: its threads, and on a GPU node
+    `cluster.gpus_per_worker` of a GPU (0.5: two workers, each with its engine, share one)."""
+    gpus = cfg.gpus_per_worker if device.startswith("cuda") else 0
+    return {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
+
+
+def in_bundle(group: Any, bundle: dict[str, float], index: int, gpu_share: float
+              ) -> dict[str, Any]:
+    """Ray options that put an actor in bundle `index` of `group` with `gpu_share` of its GPU."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    return {"num_gpus": bundle.get("GPU", 0) * gpu_share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=index)}
 
 
 def reserve(bundles: list[dict[str, float]], timeout_s: float, what: str) -> Any:

@@ -66,8 +66,12 @@ class Rollout(Protocol):
         """The policy's new weights, by HF name; the new policy version."""
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None, checksum: str | None = None) -> int:
-        """The drafter's trainable tensors (checked against `checksum`); its new version."""
+                             version: int | None = None, checksum: str | None = None,
+                             held_by: int | None = None) -> int:
+        """The drafter's trainable tensors (checked against `checksum`); its new version.
+        held_by: the rollout worker whose process holds them too (a hybrid worker's trainer
+        member, trainer/spot.Published): a pool of hybrid workers broadcasts them from there;
+        an engine in this process or vLLM has no workers of that kind and ignores it."""
 
     def fall_back_to_plain(self, reason: str) -> None: ...
 

@@ -55,10 +55,12 @@ class BetweenSteps:
         return self.policy_version
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None, checksum: str | None = None) -> int:
+                             version: int | None = None, checksum: str | None = None,
+                             held_by: int | None = None) -> int:
         """Updates the drafter's trainable tensors in place; returns the new drafter version.
         checksum (utils/digest.tensor_digest of the tensors, as published): checked before
-        anything is loaded, so a corrupted drafter never reaches the engine."""
+        anything is loaded, so a corrupted drafter never reaches the engine. held_by: the
+        Rollout Protocol's (a pool of hybrid workers); an engine here has nothing to do with it."""
         self.wake()   # the drafter may read the policy's embedding / head
         drafter = self.model_drafter
         if drafter is None:

@@ -292,7 +292,8 @@ class OnlineDrafter:
         if problem is None:
             try:
                 engine.load_drafter_weights(published.tensors, published.version,
-                                            checksum=published.checksum)
+                                            checksum=published.checksum,
+                                            held_by=published.held_by)
             except ValueError as err:   # corrupted on the way: nothing was loaded
                 problem = str(err)
         if problem is not None:

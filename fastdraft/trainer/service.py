@@ -163,6 +163,10 @@ class TrainerService:
         with self._lock:
             return self.trainer.state()
 
+    def last_published(self) -> list[torch.Tensor]:
+        """The tensors of the last publish (host copies, in trainable_named_tensors order)."""
+        return list(self.trainer.serving)
+
 
 #: What the trainer reads of the policy (PolicyHead): its embedding and lm_head.
 POLICY_HEAD = ("model.embed_tokens.weight", "lm_head.weight")

@@ -93,6 +93,9 @@ class Published:
     checksum: str
     tensors: list[tuple[str, torch.Tensor]]   # trainable tensors only, host copies
     check: HeldOutCheck | None = None         # None: nothing held out to check on
+    # The hybrid worker whose process holds these tensors too (the trainer member that
+    # published them): the pool broadcasts them from there over the workers' process group.
+    held_by: int | None = None
 
     @property
     def withheld(self) -> bool:

@@ -24,9 +24,10 @@ import ray
 import torch
 
 from fastdraft.actor.rank import ActorRank, ActorSpec
-from fastdraft.actor.sharding import free_port
+from fastdraft.actor.sharding import broadcast_flat, free_port
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.sharded import ShardedActor
+from fastdraft.errors import FastdraftError
 from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
 from fastdraft.workers.trainer_actor import TRAINER
 
@@ -128,6 +129,29 @@ class HybridWorker(RolloutWorker):
             self.engine.advance_step()
         return WeightSync(time.perf_counter() - start, nbytes, tuple(sorted(devices)),
                           self.policy_head() if self.actor.rank == 0 else None)
+
+    def share_drafter(self, layout: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      version: int, checksum: str, src: int) -> str | None:
+        """Collective: the drafter worker `src`'s trainer member published last goes from its
+        process into every worker's engine over the workers' process group, on the device
+        (NCCL between GPUs): no object store, no driver on the path. `layout`: the published
+        tensors' names, shapes and dtypes. Every engine checks the published checksum before
+        it loads anything; a mismatch is returned (every worker got the same bytes), not
+        raised: the broadcast has ended on every rank either way."""
+        device = self.actor.device
+        held = self.member.last_published() if self.member is not None else []
+        if [(tuple(t.shape), t.dtype) for t in held] != [(s, d) for _, s, d in layout]:
+            held = []   # src with nothing that fits: zeros go out, and every checksum fails
+        tensors = ([t.to(device) for t in held] if self.actor.rank == src and held else
+                   [torch.zeros(s, dtype=d, device=device) for _, s, d in layout])
+        if self.actor.world > 1:
+            broadcast_flat(tensors, src)
+        try:
+            self.engine.load_drafter_weights(zip([n for n, _, _ in layout], tensors), version,
+                                             checksum=checksum)
+        except FastdraftError as err:
+            return str(err)
+        return None
 
     def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
                         ) -> tuple[float, float]:

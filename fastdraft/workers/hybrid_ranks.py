@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 from fastdraft.workers.ranks import REPLY_TIMEOUT_S, ActorRankError, PerRank, answer
 
@@ -135,3 +136,16 @@ def _died(pending: list[Any], rank_of: dict[Any, int], grace_s: float = 5.0) -> 
         except ray.exceptions.RayTaskError:
             continue
     return None
+
+
+def share_drafter(workers: list[Any], named: list[tuple[str, torch.Tensor]], version: int,
+                  checksum: str | None, src: int) -> None:
+    """Every hybrid worker's engine loads the drafter `named` (the driver's copy of what worker
+    src's trainer member published) from src, broadcast over the workers' process group
+    (HybridWorker.share_drafter); a checksum that fails there fails everywhere (the same
+    bytes), and no engine loaded anything: a FastdraftError."""
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in named]
+    errors = get_all([w.share_drafter.remote(layout, version, checksum, src) for w in workers],
+                     "the drafter's broadcast")
+    if errors[src] is not None:
+        raise FastdraftError(f"the drafter hybrid worker {src} holds: {errors[src]}")

@@ -6,15 +6,16 @@ interface (generate, weights and drafter between steps, fallback, state) and ser
   answer lengths their prompt had last time); every request keeps its random stream (its index
   in the whole rollout), so placement never changes a completion. A worker's completions and
   hidden states reach the callbacks when its share is done, while the others still decode.
-- weights: the actor's tensors go once into the object store; every worker loads them from
-  there (`timing/push_s`). The drafter goes the same way, checksummed and versioned.
+- weights: the actor's tensors go once into the object store and every worker loads them from
+  there (`timing/push_s`), the drafter too (checksummed, versioned); hybrid workers load both
+  on their devices (the weights from the actor's shards, the drafter broadcast from the
+  worker whose trainer member published it).
 - faults: a worker that dies mid-rollout has its unfinished share re-run on the live workers
   (the same streams: the same completions) and is replaced with the current weights.
 
-The driver keeps a host replica (`host`: the policy and drafter on the CPU, a one-slot KV): the
-weights a replacement worker starts from, and what the online drafter reads (policy head,
-drafter shape). Ray must be up (cluster/ray_cluster.connect); the local backend never loads
-it."""
+The driver keeps a host replica (`host`: the policy, or its head for hybrid workers, and the
+drafter on the CPU): what a replacement worker starts from and what the online drafter reads.
+Ray must be up (run/placement.connect_ray)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ from fastdraft.actor.rank import ActorSpec
 from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.node_checks import check_nodes
 from fastdraft.cluster.ray_cluster import cuda_name
-from fastdraft.cluster.reserve import reserve
+from fastdraft.cluster.reserve import (
+    ACTOR_GPU_SHARE,
+    TRAINER_GPU_SHARE,
+    in_bundle,
+    reserve,
+    worker_bundle,
+)
 from fastdraft.config.engine import SpecConfig
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.engine import Completion, RolloutEngine, SamplingParams
@@ -45,7 +52,7 @@ from fastdraft.observability.timeline import Span
 from fastdraft.trainer.collector import SampleCollector
 from fastdraft.utils.weight_buckets import weight_buckets
 from fastdraft.workers.hybrid import HybridWorker, WeightSync, rendezvous
-from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all
+from fastdraft.workers.hybrid_ranks import WorkerRanks, get_all, share_drafter
 from fastdraft.workers.ranks import ActorRankError
 from fastdraft.workers.rollout_account import account
 from fastdraft.workers.rollout_calls import RolloutCalls
@@ -59,17 +66,6 @@ from fastdraft.workers.rollout_worker import (
 from fastdraft.workers.trainer_actor import TRAINER, InWorker, OwnActor, Placement
 
 OnFinish = Callable[[Completion], None]
-#: Of a worker's GPU, what the drafter trainer's actor claims, and with colocated placement
-#: the actor rank beside it (Ray's bookkeeping: every process sees the whole device).
-TRAINER_GPU_SHARE = 0.1
-ACTOR_GPU_SHARE = 0.4
-
-
-def worker_bundle(cfg: ClusterConfig, device: str) -> dict[str, float]:
-    """What a rollout worker's placement bundle reserves: its threads, and on a GPU node
-    `cluster.gpus_per_worker` of a GPU (0.5: two workers, each with its engine, share one)."""
-    gpus = cfg.gpus_per_worker if device.startswith("cuda") else 0
-    return {"CPU": max(cfg.worker_threads, 1), **({"GPU": gpus} if gpus else {})}
 
 
 class RolloutPool(HostFront):
@@ -174,14 +170,11 @@ class RolloutPool(HostFront):
         tail of the others."""
         index = len(self.workers) - 1 if index is None else index
         if self.actor is not None:
-            return InWorker(self.workers[index])
+            return InWorker(self.workers[index], index)
         return OwnActor({"num_cpus": 0, **self._in_bundle(index, TRAINER_GPU_SHARE)})
 
     def _in_bundle(self, index: int, gpu_share: float) -> dict[str, Any]:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        return {"num_gpus": self.bundle.get("GPU", 0) * gpu_share,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=index)}
+        return in_bundle(self.group, self.bundle, index, gpu_share)
 
     def _remote_class(self) -> Any:
         import ray
@@ -299,9 +292,17 @@ class RolloutPool(HostFront):
         return version
 
     def load_drafter_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None, checksum: str | None = None) -> int:
+                             version: int | None = None, checksum: str | None = None,
+                             held_by: int | None = None) -> int:
+        """held_by (hybrid workers): the worker whose trainer member published these: every
+        engine takes them from there over the workers' process group (HybridWorker.
+        share_drafter), checked against `checksum`; else through the object store."""
         import ray
         named = [(name, t.detach().cpu()) for name, t in named_tensors]
+        if self.hybrid and held_by is not None:
+            version = (self.host.drafter_version or 0) + 1 if version is None else version
+            share_drafter(self.workers, named, version, checksum, held_by)
+            return self.host.load_drafter_weights(named, version, checksum)
         version = self.host.load_drafter_weights(named, version, checksum)   # checked here
         self._drafter = (ray.put(named), version, checksum)
         self._on_all(lambda w: w.load_drafter_weights.remote(*self._drafter))

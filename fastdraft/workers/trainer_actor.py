@@ -21,6 +21,7 @@ store to the trainer without passing the driver, and is not counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -111,6 +112,10 @@ class TrainerActor:
     def publish(self, min_steps: int) -> Any:
         return self.service.publish(min_steps)
 
+    def last_published(self) -> list[torch.Tensor]:
+        """(In this process: a hybrid worker's broadcast of what its member published.)"""
+        return self.service.last_published()
+
     def state(self) -> dict:
         return self.service.state()
 
@@ -167,8 +172,8 @@ class InWorker:
     member), on that worker's device, its calls on a thread of their own beside the
     worker's generate and update (the worker's TRAINER concurrency group)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
+    def __init__(self, worker: Any, index: int) -> None:
+        self.worker, self.index = worker, index   # index: the worker's in its pool
 
     def start(self, body: type, setup: TrainerSetup, args: tuple) -> InWorker:
         self.worker.start_member.options(concurrency_group=TRAINER).remote(body, setup, *args)
@@ -307,7 +312,10 @@ class RayTrainer(TrainerHandle):
 
     def publish(self, min_steps: int = 0) -> Published:
         self.settle()
-        return self._answered(self._get(self._call("publish", min_steps), "publish"))
+        published = self._answered(self._get(self._call("publish", min_steps), "publish"))
+        if isinstance(self.host, InWorker):   # the worker's process holds them too
+            published = dataclasses.replace(published, held_by=self.host.index)
+        return published
 
     def state(self) -> dict:
         self.settle()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from fastdraft.cluster.ray_cluster import cuda_name
+from fastdraft.cluster.reserve import TRAINER_GPU_SHARE, worker_bundle
 from fastdraft.config.sections import ClusterConfig
-from fastdraft.workers.pool import TRAINER_GPU_SHARE, worker_bundle
 from tests.run.test_loop import _cfg
 
 

@@ -27,6 +27,13 @@ def _recorded(run: Run) -> list:
     return seen
 
 
+def _named_tensors(value) -> bool:
+    """A (name, tensor) list: weights, a policy's or a drafter's."""
+    return isinstance(value, list) and any(
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+        and isinstance(x[1], torch.Tensor) for x in value)
+
+
 def _policy_names(value) -> bool:
     """A (name, tensor) list of the policy's weights (what a put of the weights would be)."""
     return isinstance(value, list) and any(
@@ -136,15 +143,18 @@ def test_a_run_resumes_with_another_layout_and_number_of_workers(loopback_ray, c
 @pytest.mark.xdist_group("ray")
 @pytest.mark.parametrize("training", ["one", "data_parallel"])
 def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_policy,
-                                                             char_drafter, tmp_path, training):
+                                                             char_drafter, tmp_path, training,
+                                                             monkeypatch):
     """The drafter's trainer is a member inside a hybrid worker (one: the last worker's;
     data_parallel: every worker's), in the worker's own process: no process of its own. It
-    trains in the tail and the update, and every step serves a newer drafter. At the end the
-    drafter is exported against the policy of the workers' sharded checkpoint."""
+    trains in the tail and the update, and every step serves a newer drafter, broadcast to
+    every worker's engine from the member's worker over the workers' process group (nothing
+    through the object store). At the end the drafter is exported against the policy of the
+    workers' sharded checkpoint."""
     import ray
 
+    from fastdraft.drafter.checkpoint import trainable_named_tensors
     from fastdraft.observability.metrics import read_metrics
-    from fastdraft.run.loop import train
     from fastdraft.workers.trainer_group import TrainerGroup
     from tests.trainer.test_drafter_resilience import ONLINE
     run = Run(_cfg(char_policy, *HYBRID, *ONLINE, f"drafter.path={char_drafter}",
@@ -159,7 +169,20 @@ def test_the_online_drafter_trains_inside_the_hybrid_workers(loopback_ray, char_
         members = trainer.members if isinstance(trainer, TrainerGroup) else [trainer]
         assert [m.pid for m in members] == (workers if training == "data_parallel"
                                             else workers[-1:])
-        train(run)
+        puts, real_put = [], ray.put
+        monkeypatch.setattr(ray, "put", lambda v, *a, **k: puts.append(v) or real_put(v, *a, **k))
+        for step in range(3):
+            train_step(run, step)
+        assert not any(_named_tensors(v) for v in puts)   # no drafter (or policy) tensor put
+        host = run.engine.host
+        for worker in run.engine.workers:   # every engine serves the driver's drafter
+            version, served = ray.get(worker.__ray_call__.remote(lambda self: (
+                self.engine.drafter_version,
+                dict(trainable_named_tensors(self.engine.model_drafter)))))
+            assert version == host.drafter_version
+            assert all(torch.equal(served[n], t)
+                       for n, t in trainable_named_tensors(host.model_drafter))
+        run.finish()   # the export (what train does at the end)
     finally:
         run.close_after_failure()
     rows = read_metrics(tmp_path / "run")

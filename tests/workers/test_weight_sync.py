@@ -73,3 +73,35 @@ def test_the_engine_gives_back_its_kv_cache_for_the_update_and_keeps_its_weights
 def test_on_the_cpu_the_kv_cache_stays(char_policy):
     worker = _worker(char_policy)   # the default on a CPU device: one RAM, nothing to gain
     assert worker.sleep() == 0 and worker.engine.runner.kv_cache.untyped_storage().nbytes() > 0
+
+
+def test_a_shared_drafter_is_loaded_only_when_its_checksum_holds(char_policy, char_drafter):
+    """HybridWorker.share_drafter (one worker: no broadcast to make): what its trainer member
+    published goes into its engine when the checksum is the published one; a mismatch (or a
+    member with nothing that fits) is returned, and the engine keeps its drafter."""
+    from fastdraft.config.engine import SpecConfig
+    from fastdraft.drafter.checkpoint import trainable_named_tensors
+    from fastdraft.utils.digest import tensor_digest
+    make_engine = lambda device: RolloutEngine(  # noqa: E731
+        char_policy, device=device, max_batch_size=2, max_seq_len=64, drafter=char_drafter,
+        spec=SpecConfig(method="eagle", depth=2, topk=1, tokens_to_verify=2))
+    worker = HybridWorker(make_engine, "cpu", 0, spec(char_policy), rank=0)
+    served = trainable_named_tensors(worker.engine.model_drafter)
+    before = [t.clone() for _, t in served]
+    published = [t + 0.5 for _, t in served]   # what the member published: every tensor moved
+
+    class Member:
+        def last_published(self):
+            return published
+
+    worker.member = Member()
+    layout = [(n, tuple(t.shape), t.dtype) for n, t in served]
+    named = [(n, t) for (n, _), t in zip(served, published)]
+    assert "checksum" in worker.share_drafter(layout, 3, "0" * 16, src=0)
+    assert all(torch.equal(t, b) for (_, t), b in zip(served, before))   # nothing loaded
+    worker.member = None   # nothing held: zeros went out, and their checksum fails
+    assert worker.share_drafter(layout, 3, tensor_digest(named), src=0) is not None
+    worker.member = Member()
+    assert worker.share_drafter(layout, 3, tensor_digest(named), src=0) is None
+    assert worker.engine.drafter_version == 3
+    assert all(torch.equal(t, p) for (_, t), p in zip(served, published))
