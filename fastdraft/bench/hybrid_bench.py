@@ -12,7 +12,9 @@ side in one run (steps interleaved A B C A B C ..., the same seeds, step 0 left 
 
 Reported per arm: mean step, rollout, update and push seconds; `hybrid_vs_local` and
 `hybrid_vs_colocated` (mean step time ratios; the target <= 1.0; hybrid_vs_local step by step
-too, for its spread) and `hybrid_off_vs_local_off`, `push_ms` side by side;
+too, for its spread; per answer token, `hybrid_vs_local_per_token`: the online arms'
+drafters differ, and so do their samples and RL runs) and `hybrid_off_vs_local_off` (the same
+completions token for token), `push_ms` side by side;
 the exposed cost of training the drafter online: `hybrid_exposed_drafter_cost` (hybrid /
 hybrid_off) beside `local_exposed_cost` (local / local_off: its trainer process beside the
 engine and the actor);
@@ -89,9 +91,16 @@ def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
                                               for r in rows["hybrid"]]
                               for k in range(workers)},
         "answer_tokens": {name: avg(name, "rollout/response_len_mean") for name in runs},
+        # Seconds a step per answer token: the online arms' drafters differ, so do their
+        # samples (the same law) and from there their RL runs and answer lengths; the off arms
+        # run the same completions token for token.
+        "step_s_per_token": {name: phases[name]["step"] / avg(name, "rollout/response_len_mean")
+                             for name in runs},
         "rewards": {name: [r["reward/mean"] for r in rows[name]] for name in runs},
         "simulation": _sim_error(runs["hybrid"], hybrid, shapes["hybrid"][timed], workers)}
     payload["sim_error"] = payload["simulation"]["step_error"]
+    per_token = payload["step_s_per_token"]
+    payload["hybrid_vs_local_per_token"] = per_token["hybrid"] / per_token["local"]
     if json_path is not None:
         write_json(json_path, payload)
     return payload
@@ -106,7 +115,11 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
     lines += [f"hybrid_vs_local {out['hybrid_vs_local']:.3f} (steps: median "
               f"{median(per_step):.3f}, {per_step[0]:.3f}-{per_step[-1]:.3f})   "
               f"hybrid_vs_colocated {out['hybrid_vs_colocated']:.3f}   (target <= 1.0); "
-              f"without online training {out['hybrid_off_vs_local_off']:.3f}",
+              f"without online training {out['hybrid_off_vs_local_off']:.3f} (the same "
+              f"completions); per answer token {out['hybrid_vs_local_per_token']:.3f} "
+              "(online, the arms' RL runs apart: answers "
+              f"{out['answer_tokens']['hybrid']:.1f} vs {out['answer_tokens']['local']:.1f} "
+              "tokens)",
               f"exposed drafter-training cost: hybrid {out['hybrid_exposed_drafter_cost']:.3f}"
               f"   local {out['local_exposed_cost']:.3f}",
               "hybrid workers' generating seconds per step: " + "  ".join(

@@ -32,6 +32,10 @@ def test_hybrid_bench_reports_layouts_push_and_exposed_cost(char_policy, char_dr
     assert out["hybrid_vs_local"] == pytest.approx(step["hybrid"] / step["local"])
     assert out["hybrid_off_vs_local_off"] == pytest.approx(step["hybrid_off"] / step["local_off"])
     assert len(out["hybrid_vs_local_per_step"]) == out["num_steps"] - 1   # step 0: warm-up
+    tokens = out["answer_tokens"]
+    assert out["hybrid_vs_local_per_token"] == pytest.approx(
+        step["hybrid"] / tokens["hybrid"] / (step["local"] / tokens["local"]))
+    assert tokens["hybrid_off"] == tokens["local_off"]   # the same completions
     assert out["hybrid_exposed_drafter_cost"] == pytest.approx(step["hybrid"]
                                                                / step["hybrid_off"])
     assert out["local_exposed_cost"] == pytest.approx(step["local"] / step["local_off"])
