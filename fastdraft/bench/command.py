@@ -101,7 +101,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
     if args.which == "cluster" and args.simulate:
-        from fastdraft.bench.cluster_bench import projection_lines, run_projections
+        from fastdraft.bench.projections import projection_lines, run_projections
         print("\n".join(projection_lines(run_projections(args.gpu_json, args.json))))
         return 0
     if args.simulate:

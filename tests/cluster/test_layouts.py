@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastdraft.bench.cluster_bench import H100_7B, projection_lines, recipe_8b_layouts
+from fastdraft.bench.projections import H100_7B, projection_lines, recipe_8b_layouts
 from fastdraft.cluster.layouts import NodeLinks, compare_layouts, push_s, update_s_estimate
 from fastdraft.cluster.simulator import StepShape, long_tail_lengths
 
