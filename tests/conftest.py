@@ -22,7 +22,8 @@ def local_ray():
     """A local Ray cluster of 2 CPUs for a test module's Ray actors (trainers, ranks); a run
     started inside it joins it and leaves it up."""
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")   # tests connect to loopback addresses only
     _FIXTURE_RAY.append(True)
     yield
     _FIXTURE_RAY.clear()

@@ -60,7 +60,7 @@ class ActorSpec:
     device: str                   # rank 0's device (model.device); rank r takes the r-th next
     num_steps: int                # RL steps of the run
     port: int = 0                 # the process group's rendezvous (several ranks) ...
-    address: str = "127.0.0.1"    # ... on rank 0's node (hybrid workers: the IP Ray gives it)
+    address: str = "127.0.0.1"    # ... on rank 0's node (with several: the IP Ray gives it)
 
     @property
     def total_optimizer_steps(self) -> int:

@@ -81,7 +81,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
     # bundles' CPUs); only one run steps at a time.
     ray_arms = sum("cluster.backend=ray" in extra for extra in arms.values())
     ray.init(address="local", num_cpus=ray_arms * workers + 2, include_dashboard=False,
-             log_to_driver=False)   # its own cluster, whatever else runs here
+             log_to_driver=False,   # its own cluster, whatever else runs here
+             _node_ip_address="127.0.0.1")
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
              "drafter.export=false", f"cluster.rollout_workers={workers}"]
     runs: dict[str, Run] = {}

@@ -40,6 +40,12 @@ class _Rank:
         return str(context.get_placement_group_id()), context.get_node_id()
 
 
+def node_address() -> str:
+    """This node's IP as Ray knows it (a run's own local cluster: 127.0.0.1)."""
+    import ray
+    return ray.util.get_node_ip_address()
+
+
 class RayActorPeers:
     """Rank 0's handle on ranks 1..N-1 as Ray actors."""
 

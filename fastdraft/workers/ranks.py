@@ -10,6 +10,7 @@ pair up across ranks) and returns the answers in rank order."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -56,12 +57,17 @@ def answer(args: PerRank, i: int) -> tuple:
 
 class LocalRanks:
     """Rank 0 in this process, its followers started by `peers(spec)` (they start first: rank
-    0's rendezvous waits for them; default: Ray actors on bundles of their own, Ray up)."""
+    0's rendezvous waits for them; default: Ray actors on bundles of their own, Ray up). The
+    ranks rendezvous at this node's address as Ray names it (a follower on another node
+    reaches it there), the spec's port."""
 
     def __init__(self, spec: ActorSpec, peers: Callable[[ActorSpec], Any] | None = None) -> None:
         self.world = spec.actor.num_ranks
         if peers is None:
             from fastdraft.workers.actor_group import RayActorPeers as peers
+        if self.world > 1:
+            from fastdraft.workers.actor_group import node_address
+            spec = dataclasses.replace(spec, address=node_address())
         self.peers = peers(spec) if self.world > 1 else None
         try:
             self.rank0 = ActorRank(spec, 0)

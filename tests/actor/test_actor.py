@@ -236,3 +236,21 @@ def test_activation_checkpointing_gives_the_same_gradient(tiny_checkpoint, ranks
     torch.testing.assert_close(lp1[batch.mask], lp0[batch.mask])
     for name in m0:
         torch.testing.assert_close(m1[name], m0[name], rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.usefixtures("local_ray")   # ranks 1.. are Ray actors
+def test_rank_0_here_listens_at_the_address_ray_gives_this_node(tiny_checkpoint, monkeypatch):
+    """Several ranks with rank 0 in this process rendezvous at this node's address as Ray
+    names it (on a cluster: an IP the other nodes reach), never a fixed 127.0.0.1: here Ray is
+    made to name 127.0.0.2 (loopback too), and both ranks meet there and update."""
+    import ray
+    path, _ = tiny_checkpoint
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.2")
+    actor = Actor(spec(path, num_ranks=2, compute_dtype="bfloat16"))
+    try:
+        assert actor.update(synthetic_batch(rows=4)).applied
+        follower = actor.ranks.peers.ranks[0]
+        assert ray.get(follower.__ray_call__.remote(
+            lambda self: self.actor.spec.address)) == "127.0.0.2"
+    finally:
+        actor.close()

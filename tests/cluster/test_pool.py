@@ -27,7 +27,8 @@ pytestmark = pytest.mark.xdist_group("ray")   # one Ray cluster at a time
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")   # tests connect to loopback addresses only
     yield
     ray.shutdown()
 
