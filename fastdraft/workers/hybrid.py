@@ -139,11 +139,10 @@ class HybridWorker(RolloutWorker):
         it loads anything; a mismatch is returned (every worker got the same bytes), not
         raised: the broadcast has ended on every rank either way."""
         device = self.actor.device
-        held = self.member.last_published() if self.member is not None else []
-        if [(tuple(t.shape), t.dtype) for t in held] != [(s, d) for _, s, d in layout]:
-            held = []   # src with nothing that fits: zeros go out, and every checksum fails
-        tensors = ([t.to(device) for t in held] if self.actor.rank == src and held else
-                   [torch.zeros(s, dtype=d, device=device) for _, s, d in layout])
+        if self.actor.rank == src:
+            tensors = self._published(layout)
+        else:   # filled by the broadcast
+            tensors = [torch.empty(s, dtype=d, device=device) for _, s, d in layout]
         if self.actor.world > 1:
             broadcast_flat(tensors, src)
         try:
@@ -152,6 +151,15 @@ class HybridWorker(RolloutWorker):
         except FastdraftError as err:
             return str(err)
         return None
+
+    def _published(self, layout: list[tuple[str, tuple[int, ...], torch.dtype]]
+                   ) -> list[torch.Tensor]:
+        """What this worker's member published last, on the device; zeros when it has nothing
+        that fits `layout` (they go out all the same, and every checksum fails)."""
+        held = self.member.last_published() if self.member is not None else []
+        if [(tuple(t.shape), t.dtype) for t in held] != [(s, d) for _, s, d in layout]:
+            return [torch.zeros(s, dtype=d, device=self.actor.device) for _, s, d in layout]
+        return [t.to(self.actor.device) for t in held]
 
     def save_checkpoint(self, root: str, keep: int, step: int, rest: dict[str, Any]
                         ) -> tuple[float, float]:

@@ -122,7 +122,10 @@ class TrainerActor:
 
 class TrainerHost(Protocol):
     """Where a trainer body (TrainerActor or a data-parallel member) runs, as the loop's
-    handle calls it: each call is a Ray call answered in the order made."""
+    handle calls it: each call is a Ray call answered in the order made. held_by: the hybrid
+    worker whose process the body lives in (what it publishes is there too), else None."""
+
+    held_by: int | None
 
     def call(self, method: str, *args: Any) -> Any:
         """The body's `method(*args)`; its future."""
@@ -134,6 +137,8 @@ class TrainerHost(Protocol):
 class OwnActor:
     """A trainer body in a Ray actor of its own; options: where Ray places it (the pool's
     trainer_placement: a rollout worker's bundle, no cores of its own)."""
+
+    held_by = None   # a process of its own
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
@@ -173,7 +178,7 @@ class InWorker:
     worker's generate and update (the worker's TRAINER concurrency group)."""
 
     def __init__(self, worker: Any, index: int) -> None:
-        self.worker, self.index = worker, index   # index: the worker's in its pool
+        self.worker, self.held_by = worker, index   # index: the worker's in its pool
 
     def start(self, body: type, setup: TrainerSetup, args: tuple) -> InWorker:
         self.worker.start_member.options(concurrency_group=TRAINER).remote(body, setup, *args)
@@ -313,9 +318,7 @@ class RayTrainer(TrainerHandle):
     def publish(self, min_steps: int = 0) -> Published:
         self.settle()
         published = self._answered(self._get(self._call("publish", min_steps), "publish"))
-        if isinstance(self.host, InWorker):   # the worker's process holds them too
-            published = dataclasses.replace(published, held_by=self.host.index)
-        return published
+        return dataclasses.replace(published, held_by=self.host.held_by)
 
     def state(self) -> dict:
         self.settle()
