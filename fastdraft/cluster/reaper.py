@@ -53,10 +53,21 @@ def descendants(root: int, table: dict[int, tuple[str, int, int]] | None = None)
     return out
 
 
+#: A Ray worker's command line while it still boots (before it renames itself `ray::...`).
+RAY_WORKER = b"ray/_private/workers/default_worker.py"
+
+
 def orphaned_ray(since: int) -> set[int]:
-    """`ray::` processes reparented to init that started at or after `since` (clock ticks)."""
+    """Ray processes reparented to init that started at or after `since` (clock ticks): named
+    `ray::...`, or workers still booting (a CI run saw two outlive a SIGKILLed run by 20 s)."""
     return {pid for pid, (comm, ppid, start) in _processes().items()
-            if ppid == 1 and comm.startswith("ray::") and start >= since}
+            if ppid == 1 and start >= since and (comm.startswith("ray::") or _booting(pid))}
+
+
+def _booting(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return RAY_WORKER in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return False
 
 
 def main() -> None:
