@@ -94,7 +94,11 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 
 def _drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["warmup"], help="warmup: train offline on policy rollouts")
+    p.add_argument("action", choices=["warmup", "import"],
+                   help="warmup: train offline on policy rollouts; import: a SpecForge/SGLang "
+                        "or speculators EAGLE-3 directory (--source) as a fastdraft drafter")
+    p.add_argument("--source", type=Path, default=None,
+                   help="import: the engine directory (config.json + model.safetensors)")
     _cache_arg(p)
     p.add_argument("--policy", type=Path, default=None, help="default: the bootstrap policy")
     p.add_argument("--out", type=Path, default=None,
@@ -121,6 +125,8 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     from fastdraft.demo import default_drafter_dir, prompt_ids, resolve_model
     from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
     policy = resolve_model(args.policy, args.cache_dir, flag="--policy")
+    if args.action == "import":
+        return _import_drafter(args.source, policy, args.out)
     out = args.out or default_drafter_dir(policy, args.kind)
     given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
              "argmax_weight": args.argmax_weight, "draft_vocab": args.draft_vocab}
@@ -133,6 +139,22 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
           f"{report.rollout_seconds:.0f}s, {report.train_tokens:,} tokens trained in "
           f"{report.train_seconds:.0f}s; final loss {report.final_loss:.4f}, "
           f"top-1 agreement with the policy {report.final_top1_acc:.1%}")
+    return 0
+
+
+def _import_drafter(source: Path | None, policy: Path, out: Path | None) -> int:
+    from fastdraft.errors import FastdraftError
+    from fastdraft.export.imports import engine_layout, import_drafter
+    if source is None or out is None:
+        raise FastdraftError("drafter import needs --source DIR (the engine directory) and --out "
+                             "DIR (where the fastdraft drafter goes)")
+    layout = engine_layout(source)
+    if layout is None:
+        raise FileNotFoundError(f"--source {source}: no config.json of an engine drafter there "
+                                "(a SpecForge/SGLang or speculators directory)")
+    import_drafter(source, policy, out)
+    print(f"drafter: {out} (imported from the {layout} layout at {source}); run with "
+          f"drafter.path={out}")
     return 0
 
 
@@ -198,8 +220,11 @@ def _restart_hint(args: argparse.Namespace) -> str:
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", type=Path, required=True,
                    help="a run directory (its drafter/ and newest checkpoint's policy)")
-    p.add_argument("--format", choices=["sglang", "vllm", "all"], default="all",
-                   help="which engine's layout to write (all: both)")
+    p.add_argument("--format", choices=["sglang", "vllm", "speculators", "all", "both"],
+                   default="all", help="sglang: the SpecForge/SGLang layout; speculators (EAGLE-3;"
+                   " also `vllm`): vLLM's own; EAGLE-1: sglang / vllm; all or both: every layout")
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="speculators layout: the draft length `vllm serve DIR` uses")
     p.add_argument("--out", type=Path, default=None, help="default: RUN/export")
 
 
@@ -219,7 +244,8 @@ def export_cmd(args: argparse.Namespace) -> int:
                                 "the policy from")
     with policy_weights(latest) as policy:   # a sharded checkpoint's: consolidated
         for path in export_drafter(drafter, policy, args.out or args.run / "export",
-                                   args.format):
+                                   args.format, verifier=str(latest.resolve()),
+                                   speculative_tokens=args.speculative_tokens):
             print(f"exported: {path}")
     return 0
 

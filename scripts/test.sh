@@ -31,5 +31,6 @@ if [ $# -eq 0 ] && [ -z "${FASTDRAFT_SKIP_VLLM:-}" ]; then
     # after the main suite: they reuse the miniature test's cached drafter
     FASTDRAFT_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q --durations=5 \
         tests/backends/test_vllm_rollout.py \
+        tests/backends/test_vllm_speculators.py \
         tests/backends/test_vllm_run.py
 fi

@@ -66,9 +66,11 @@ class VllmRollout(HostFront):
         if drafter_dir is not None:   # EAGLE-3 (the recipe check): one export directory
             kind = host.model_drafter.kind
             self.architecture = architecture_for(kind, "vllm", host.config.model_type)
-            export = work_dir / "vllm-drafter"   # (a resumed run's is there already)
+            # vLLM's own layout (speculators), which names the aux layers as vLLM counts them
+            export = work_dir / "vllm-drafter" / "speculators"   # (a resumed run's is there)
             if not export.exists():
-                export_drafter(drafter_dir, policy_dir, export, "vllm")
+                [export] = export_drafter(drafter_dir, policy_dir, export.parent, "speculators",
+                                          speculative_tokens=spec_depth)
             # vLLM drafts a chain: fastdraft's tree shape (topk, tokens_to_verify) has no say.
             # Drafts sampled from the drafter's distribution and verified by the ratio test,
             # as fastdraft's engine does (vLLM's default drafts argmax tokens and treats them

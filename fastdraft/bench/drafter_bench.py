@@ -14,6 +14,11 @@
   samples from the actor's update forward (drafter.online.source=actor, what a backend without
   hidden-state capture uses): its update, rollout and step time and accept length over the
   engine-capture run's (`actor_source_*`).
+- tracking_efficiency: how close online training gets to the best drafter for the drifted
+  policy it could have: a drafter warmed up afresh on the KD run's final policy with the run's
+  own warm-up budget (drafter.warmup_steps on drafter.warmup_rollouts, the same prompts and
+  seed) is the ceiling; the KD drafter's accept length over the ceiling's, evaluated alike.
+  Reported beside the tokens the in-flight capture cap dropped (drafter/dropped_tokens).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
                   f"{rows[name][-1].get('rollout/accept_length', 1.0):.2f} rollout "
                   f"{rows[name][-1]['rollout/time_s']:.2f}s", flush=True)
     payload["drift"] = drift_eval(runs, base.cfg.algorithm.num_steps)
+    payload["ceiling"] = ceiling_eval(runs)
     for name, steps in rows.items():
         payload["drift"][name]["rewards"] = [r["reward/mean"] for r in steps]
         payload["drift"][name]["accept_lengths"] = [r.get("rollout/accept_length", 1.0)
@@ -84,6 +90,13 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
                    adaptive_vs_stale=drift["kd"]["eval_accept_length"]
                    / drift["stale"]["eval_accept_length"],
                    reward_kd_accept_length=drift["reward_kd"]["eval_accept_length"])
+    ceiling = payload["ceiling"]["eval_accept_length"]
+    payload.update(ceiling_accept_length=ceiling,
+                   tracking_efficiency=drift["kd"]["eval_accept_length"] / ceiling,
+                   reward_kd_tracking_efficiency=drift["reward_kd"]["eval_accept_length"]
+                   / ceiling,
+                   dropped_tokens_per_step=[r.get("drafter/dropped_tokens", 0.0)
+                                            for r in rows["kd"]])
     # Samples from the actor's forward (drafter.online.source=actor) vs the engine's capture,
     # both reward-weighted KD: what the update pays, what the rollout saves, what is learnt.
     actor, engine = drift["reward_kd_actor"], drift["reward_kd"]
@@ -106,23 +119,54 @@ def drift_eval(runs: dict[str, Run], num_steps: int, num_seeds: int = 2, source:
     for name, run in runs.items():
         if name != source:
             run.engine.load_weights(runs[source].actor.full_parameters())
-    out: dict[str, Any] = {}
-    for name, run in runs.items():
-        items = run.prompts.batch(0, run.cfg.rollout.prompts_per_step)
-        accepted = steps = 0.0
-        start = time.perf_counter()
-        prompts = [it.ids for it in items for _ in range(run.cfg.rollout.group_size)]
-        for i in range(num_seeds):   # no hooks: the drafters' buffers stay as training left them
-            run.engine.generate(prompts, SamplingParams(
-                temperature=run.cfg.rollout.temperature, seed=10**6 * (i + 1),
-                max_new_tokens=run.cfg.rollout.max_new_tokens), use_tqdm=False)
-            stats = run.engine.last_stats
-            accepted += stats.num_accepted
-            steps += stats.num_verify_steps
-        out[name] = {"eval_accept_length": 1 + accepted / max(steps, 1),
-                     "eval_rollout_time_s": time.perf_counter() - start,
-                     "drafter_version": run.engine.drafter_version}
-    return out
+    return {name: {**_eval_accept(run, num_seeds), "drafter_version": run.engine.drafter_version}
+            for name, run in runs.items()}
+
+
+def ceiling_eval(runs: dict[str, Run], num_seeds: int = 2, source: str = "kd",
+                 host: str = "stale") -> dict[str, Any]:
+    """A drafter warmed up afresh on the source run's final policy with the recipe's warm-up
+    budget, prompts and seed (what demo.ensure_drafter gave the runs at their start), served by
+    the `host` run's engine (which drift_eval gave that policy) and evaluated as drift_eval
+    evaluates."""
+    from fastdraft.demo import prompt_ids
+    from fastdraft.drafter.checkpoint import trainable_named_tensors
+    from fastdraft.drafter.warmup import WarmupConfig, warmup_policy, warmup_positions
+    from fastdraft.models import load_model, load_named_tensors
+    cfg, run = runs[source].cfg, runs[host]
+    warmup = WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
+                          num_rollouts=cfg.drafter.warmup_rollouts)
+    prompts = prompt_ids(run.policy_dir, None, warmup.num_rollouts, heldout=False)
+    policy = load_model(run.policy_dir, max_positions=warmup_positions(prompts, warmup))
+    load_named_tensors(policy, runs[source].actor.full_parameters())
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = warmup_policy(policy, Path(tmp) / "ceiling", prompts, warmup,
+                               log=lambda _: None)
+        from fastdraft.drafter import load_drafter
+        ceiling = load_drafter(Path(tmp) / "ceiling", policy, warmup_positions(prompts, warmup))
+    warmup_s = time.perf_counter() - start
+    run.engine.load_drafter_weights(trainable_named_tensors(ceiling))
+    return {**_eval_accept(run, num_seeds), "warmup_s": warmup_s,
+            "warmup_train_tokens": report.train_tokens}
+
+
+def _eval_accept(run: Run, num_seeds: int) -> dict[str, float]:
+    """The run's first prompts, each group_size times, sampled with fixed seeds: accept length
+    and time (no hooks: a drafter's buffers stay as training left them)."""
+    items = run.prompts.batch(0, run.cfg.rollout.prompts_per_step)
+    prompts = [it.ids for it in items for _ in range(run.cfg.rollout.group_size)]
+    accepted = steps = 0.0
+    start = time.perf_counter()
+    for i in range(num_seeds):
+        run.engine.generate(prompts, SamplingParams(
+            temperature=run.cfg.rollout.temperature, seed=10**6 * (i + 1),
+            max_new_tokens=run.cfg.rollout.max_new_tokens), use_tqdm=False)
+        stats = run.engine.last_stats
+        accepted += stats.num_accepted
+        steps += stats.num_verify_steps
+    return {"eval_accept_length": 1 + accepted / max(steps, 1),
+            "eval_rollout_time_s": time.perf_counter() - start}
 
 
 def unit_costs(run: Run) -> dict[str, Any]:
@@ -231,6 +275,11 @@ def summary_lines(out: dict[str, Any]) -> list[str]:
              f"(adaptive_vs_stale {out['adaptive_vs_stale']:.3f}); eval rollout time stale "
              f"{drift['stale']['eval_rollout_time_s']:.1f}s, online "
              f"{drift['kd']['eval_rollout_time_s']:.1f}s",
+             f"tracking_efficiency {out['tracking_efficiency']:.3f} (KD online "
+             f"{out['adaptive_accept_length']:.2f} vs a drafter warmed up afresh on the final "
+             f"policy {out['ceiling_accept_length']:.2f}; reward-weighted KD "
+             f"{out['reward_kd_tracking_efficiency']:.3f}); in-flight cap dropped "
+             f"{sum(out['dropped_tokens_per_step']):.0f} tokens over the KD run",
              f"samples from the actor's forward vs the engine's capture (reward-weighted KD): "
              f"update time {out['actor_source_update_ratio']:.3f}x, rollout time "
              f"{out['actor_source_rollout_ratio']:.3f}x, step time "

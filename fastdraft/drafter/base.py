@@ -1,8 +1,11 @@
 """The drafter contract shared by EAGLE-1 and EAGLE-3, and the registry of drafter kinds.
 
-A drafter borrows the policy's frozen token embedding and lm_head (never copies them, never saves
-them) and owns only its trainable layers. One call of `step` maps (features, next token) pairs to
-the next features and the draft logits, for any positions and attention pattern (draft trees).
+A drafter borrows the policy's frozen token embedding (never copies it, never saves it) and by
+default its lm_head too, owning only its trainable layers. A drafter trained elsewhere (SpecForge,
+speculators: export/imports.py) brings an lm_head of its own, over its draft vocabulary in draft
+order (`head_rows` rows); it is then trained and saved with the rest. One call of `step` maps
+(features, next token) pairs to the next features and the draft logits, for any positions and
+attention pattern (draft trees).
 """
 
 from __future__ import annotations
@@ -30,10 +33,18 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     def __init__(self, cfg: ModelConfig, max_positions: int,
-                 layout: LayerLayout | None = None) -> None:
+                 layout: LayerLayout | None = None, *, aux_layers: tuple[int, ...] | None = None,
+                 head_rows: int | None = None) -> None:
         """cfg: the target policy's config (shapes, rope, vocabulary); layout: the layer's
-        switches, by default this kind's for the target (a legacy checkpoint passes its own)."""
+        switches, by default this kind's for the target (a legacy checkpoint passes its own);
+        aux_layers: the policy layers whose inputs the drafter reads (EAGLE-3; None: the kind's
+        default); head_rows: rows of an lm_head of its own (None: the policy's is borrowed)."""
         super().__init__()
+        if head_rows is not None and not 0 < head_rows <= cfg.vocab_size:
+            raise FastdraftError(f"the drafter's own lm_head has {head_rows} rows, but the "
+                                 f"policy's vocabulary has {cfg.vocab_size} tokens: a draft "
+                                 "vocabulary is at most the policy's")
+        self._aux_layers = None if aux_layers is None else tuple(int(i) for i in aux_layers)
         self.config = cfg
         self.layout = self.layer_layout(cfg) if layout is None else layout
         # What the drafter's decoder layer is built from: never the target's own switches.
@@ -45,6 +56,15 @@ class Drafter(nn.Module):
         # Optional draft vocabulary (target token ids, [Vd]): drafting scores only these tokens
         # (engine/spec/draft_head.py); saved with the checkpoint.
         self.draft_token_ids: torch.Tensor | None = None
+        self.head = (None if head_rows is None
+                     else nn.Linear(cfg.hidden_size, head_rows, bias=False))
+
+    @property
+    def options(self) -> dict:
+        """What build_drafter needs besides kind, policy config and positions to rebuild this
+        drafter's modules (a checkpoint records it: drafter/checkpoint.py)."""
+        return {"layout": self.layout, "aux_layers": self._aux_layers,
+                "head_rows": None if self.head is None else self.head.out_features}
 
     def attach(self, policy: CausalLM) -> Drafter:
         """Shares the policy's embedding and lm_head (frozen for the drafter)."""
@@ -60,7 +80,7 @@ class Drafter(nn.Module):
     def detached(self) -> Drafter:
         """A copy of the trainable layers (and draft vocabulary) that borrows nothing yet:
         what travels to a trainer, which attaches it to its own copy of the policy head."""
-        copy = build_drafter(self.kind, self.config, self.rope.cos.shape[0], self.layout)
+        copy = build_drafter(self.kind, self.config, self.rope.cos.shape[0], **self.options)
         copy.load_state_dict(self.state_dict())
         copy.draft_token_ids = self.draft_token_ids
         return copy
@@ -75,10 +95,23 @@ class Drafter(nn.Module):
         return F.embedding(input_ids, self._borrowed_weight("embed_tokens"))
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the policy's vocabulary, or over the own head's rows (its draft
+        vocabulary, in draft order)."""
+        if self.head is not None:
+            return self.head(h)
         return F.linear(h, self._borrowed_weight("lm_head"))
 
     def lm_head_weight(self) -> torch.Tensor:
         return self._borrowed["lm_head"].weight.detach()
+
+    def head_probs(self, policy_probs: torch.Tensor) -> torch.Tensor:
+        """The policy's next-token distribution [..., V] on the tokens `lm_head` scores: all of
+        them, or an own head's draft vocabulary (not renormalised: mass outside it is mass the
+        drafter can never propose, so CE against it is CE against p with q = 0 there, and
+        sum(min(p, q)) stays the acceptance rate)."""
+        if self.head is None or self.draft_token_ids is None:
+            return policy_probs
+        return policy_probs.index_select(-1, self.draft_token_ids.to(policy_probs.device))
 
     def _borrowed_weight(self, name: str) -> torch.Tensor:
         weight = self._borrowed[name].weight
@@ -136,7 +169,10 @@ def drafter_layer_config(kind: str, policy_config: ModelConfig) -> ModelConfig:
 
 
 def build_drafter(kind: str, cfg: ModelConfig, max_positions: int,
-                  layout: LayerLayout | None = None) -> Drafter:
+                  layout: LayerLayout | None = None, *, aux_layers: tuple[int, ...] | None = None,
+                  head_rows: int | None = None) -> Drafter:
     """A `kind` drafter for the policy whose config is `cfg`; its layer gets the kind's layout
-    for that policy unless `layout` (a saved checkpoint's) is given."""
-    return _drafter_class(kind)(cfg, max_positions, layout)
+    for that policy unless `layout` (a saved checkpoint's) is given; aux_layers and head_rows as
+    Drafter takes them (a saved or imported checkpoint's)."""
+    return _drafter_class(kind)(cfg, max_positions, layout, aux_layers=aux_layers,
+                                head_rows=head_rows)

@@ -1,7 +1,8 @@
-"""Drafter checkpoints: `drafter_config.json` (kind, the policy shape it was trained for and its
-layer layout) and `model.safetensors` (trainable tensors only; embedding and lm_head belong to
-the policy), and `SHA256SUMS` over both (checked before a load: a file damaged on disk is named,
-never loaded)."""
+"""Drafter checkpoints: `drafter_config.json` (kind, the policy shape it was trained for, its
+layer layout, and where they differ from the kind's defaults its aux layers and own lm_head's
+rows) and `model.safetensors` (trainable tensors only; the embedding, and unless the drafter has
+its own, the lm_head belong to the policy), and `SHA256SUMS` over both (checked before a load:
+a file damaged on disk is named, never loaded)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = Non
     with atomic_dir(out_dir) as tmp:
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
         save_tensors(tensors, str(tmp / WEIGHTS_FILE))
+        options = drafter.options
         meta = {"kind": drafter.kind, "policy_config": drafter.config.to_hf_dict(),
                 LAYOUT_KEY: drafter.layout.to_dict(), **(extra or {})}
+        if options["aux_layers"] is not None:
+            meta["aux_layers"] = list(options["aux_layers"])
+        if options["head_rows"] is not None:
+            meta["head_rows"] = options["head_rows"]
         if drafter.draft_token_ids is not None:
             meta["draft_token_ids"] = drafter.draft_token_ids.tolist()
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
@@ -57,7 +63,7 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
         raise FastdraftError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
                              "train a drafter for this policy with `fastdraft drafter warmup`")
     param = next(policy.parameters())
-    drafter = build_drafter(meta["kind"], policy.config, max_positions, saved_layout(meta))
+    drafter = build_drafter(meta["kind"], policy.config, max_positions, **saved_options(meta))
     drafter = drafter.to(device=param.device, dtype=param.dtype).attach(policy)
     named = load_file(str(path / WEIGHTS_FILE), device=str(param.device))
     load_named_tensors(drafter, named.items())
@@ -66,7 +72,29 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
         raise FastdraftError(f"drafter {path} lacks weights {sorted(missing)[:3]}")
     if meta.get("draft_token_ids") is not None:
         drafter.draft_token_ids = torch.tensor(meta["draft_token_ids"], dtype=torch.long)
+    check_head_vocab(drafter, str(path))
     return drafter.eval()
+
+
+def saved_options(meta: dict) -> dict:
+    """build_drafter's options as drafter_config.json records them (Drafter.options)."""
+    aux = meta.get("aux_layers")
+    return {"layout": saved_layout(meta), "aux_layers": None if aux is None else tuple(aux),
+            "head_rows": meta.get("head_rows")}
+
+
+def check_head_vocab(drafter: Drafter, where: str) -> None:
+    """An own lm_head over fewer rows than the vocabulary needs the draft vocabulary that says
+    which token each row scores, one id a row."""
+    if drafter.head is None:
+        return
+    rows, ids = drafter.head.out_features, drafter.draft_token_ids
+    if ids is None and rows != drafter.config.vocab_size:
+        raise FastdraftError(f"{where}: the drafter's lm_head scores {rows} draft tokens but no "
+                             "draft vocabulary says which (d2t / draft_token_ids missing)")
+    if ids is not None and len(ids) != rows:
+        raise FastdraftError(f"{where}: the draft vocabulary has {len(ids)} tokens but the "
+                             f"drafter's lm_head {rows} rows")
 
 
 def trainable_named_tensors(drafter: Drafter) -> list[tuple[str, torch.Tensor]]:

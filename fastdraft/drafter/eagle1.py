@@ -8,6 +8,7 @@ from torch import nn
 
 from fastdraft.drafter.base import Drafter, register_drafter
 from fastdraft.drafter.layout import LayerLayout
+from fastdraft.errors import FastdraftError
 from fastdraft.models import AttnMeta, HiddenStates, KVView, ModelConfig
 from fastdraft.models.layers import DecoderLayer
 from fastdraft.models.rope import RopeTable
@@ -25,7 +26,12 @@ class Eagle1Drafter(Drafter):
         return LayerLayout(qkv_bias=target.qkv_bias, o_proj_bias=target.o_proj_bias)
 
     def __init__(self, cfg: ModelConfig, max_positions: int,
-                 layout: LayerLayout | None = None) -> None:
+                 layout: LayerLayout | None = None, *, aux_layers: tuple[int, ...] | None = None,
+                 head_rows: int | None = None) -> None:
+        if aux_layers is not None or head_rows is not None:
+            raise FastdraftError("an EAGLE-1 drafter reads the policy's final hidden state "
+                                 "through the policy's own lm_head: aux layers and an own "
+                                 "lm_head are EAGLE-3's")
         super().__init__(cfg, max_positions, layout)
         h = cfg.hidden_size
         # No bias: vLLM refuses fc.bias; SGLang's exporter writes zeros for it.

@@ -1,6 +1,10 @@
-"""EAGLE-3 drafter: fc over the inputs of policy layers [2, L//2, L-3]; one layer whose attention
-reads concat(input_layernorm(embed(x)), hidden_norm(h)); trained with a training-time test (the
-drafter's own outputs fed back for k steps)."""
+"""EAGLE-3 drafter: fc over the inputs of three policy layers (by default [2, L//2, L-3]); one
+layer whose attention reads concat(input_layernorm(embed(x)), hidden_norm(h)); trained with a
+training-time test (the drafter's own outputs fed back for k steps).
+
+Aux layers are counted as vLLM counts them: layer i's *input* (the output of layer i - 1, the
+embedding for i = 0). SGLang and SpecForge name a layer's *output* instead (their id k is this
+file's k + 1); export/imports.py and export/engine_config.py convert at the boundary."""
 
 from __future__ import annotations
 
@@ -30,8 +34,15 @@ class Eagle3Drafter(Drafter):
         return LayerLayout()
 
     def __init__(self, cfg: ModelConfig, max_positions: int,
-                 layout: LayerLayout | None = None) -> None:
-        super().__init__(cfg, max_positions, layout)
+                 layout: LayerLayout | None = None, *, aux_layers: tuple[int, ...] | None = None,
+                 head_rows: int | None = None) -> None:
+        super().__init__(cfg, max_positions, layout, aux_layers=aux_layers, head_rows=head_rows)
+        layers = cfg.num_hidden_layers
+        if aux_layers is not None and (len(aux_layers) != 3 or not all(
+                0 <= i < layers for i in aux_layers)):
+            raise FastdraftError(f"EAGLE-3 aux layers {list(aux_layers)}: the drafter reads "
+                                 f"three layers' inputs of the policy, whose layers are 0.."
+                                 f"{layers - 1} (the policy has {layers})")
         h = cfg.hidden_size
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = DecoderLayer(self.layer_config, 0, input_norm=True, attn_input_size=2 * h)
@@ -40,6 +51,8 @@ class Eagle3Drafter(Drafter):
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
+        if self._aux_layers is not None:
+            return self._aux_layers
         return eagle3_aux_layers(self.config.num_hidden_layers)
 
     def target_features(self, hidden: HiddenStates) -> torch.Tensor:

@@ -145,7 +145,7 @@ def unrolled_steps(drafter: Drafter, input_ids: torch.Tensor, hidden: HiddenStat
         out, logits = out[:, -length:], logits[:, -length:]
         target_f = final[:, idx]
         with torch.no_grad():
-            target_probs = lm_head(target_f).float().softmax(-1)
+            target_probs = drafter.head_probs(lm_head(target_f).float().softmax(-1))
         yield UnrolledStep(j, out, logits, target_f, target_probs,
                            valid[:, idx] & in_range & valid[:, :-1])
         h = out

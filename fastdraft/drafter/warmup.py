@@ -167,8 +167,20 @@ def warmup_drafter(policy_dir: str | Path, out_dir: str | Path, prompts: list[li
                    cfg: WarmupConfig = WarmupConfig(), log: Log = print,
                    meta: dict | None = None) -> WarmupReport:
     """Trains and saves a drafter; `meta` adds entries to its drafter_config.json."""
+    policy = load_model(policy_dir, max_positions=warmup_positions(prompts, cfg))
+    return warmup_policy(policy, out_dir, prompts, cfg, log, meta)
+
+
+def warmup_positions(prompts: list[list[int]], cfg: WarmupConfig) -> int:
+    """The positions a warm-up's policy needs: the longest prompt and its answer."""
+    return max(map(len, prompts)) + cfg.max_new_tokens + 2
+
+
+def warmup_policy(policy: CausalLM, out_dir: str | Path, prompts: list[list[int]],
+                  cfg: WarmupConfig = WarmupConfig(), log: Log = print,
+                  meta: dict | None = None) -> WarmupReport:
+    """warmup_drafter on a policy in memory (frozen here; at least warmup_positions)."""
     torch.manual_seed(cfg.seed)
-    policy = load_model(policy_dir, max_positions=max(map(len, prompts)) + cfg.max_new_tokens + 2)
     for p in policy.parameters():
         p.requires_grad_(False)
     start = time.perf_counter()

@@ -42,7 +42,7 @@ import torch
 
 from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter import Drafter, build_drafter
-from fastdraft.drafter.checkpoint import CONFIG_FILE
+from fastdraft.drafter.checkpoint import CONFIG_FILE, saved_options
 from fastdraft.engine.capture import forward_aux_layers
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.rng import Stream
@@ -57,10 +57,13 @@ _LONG, _FP32 = 8, 4
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DrafterShape:
-    """What the plan needs of an EAGLE drafter: its kind and its draft vocabulary (None: all)."""
+    """What the plan needs of an EAGLE drafter: its kind, its draft vocabulary (None: all), and
+    an imported drafter's own lm_head rows and aux layers (None: none, the kind's default)."""
 
     kind: str
     draft_vocab: int | None = None
+    head_rows: int | None = None
+    aux_layers: tuple[int, ...] | None = None
 
     @classmethod
     def read(cls, path: str | Path | None, proposer: object = None) -> DrafterShape | None:
@@ -73,13 +76,15 @@ class DrafterShape:
         if file is None or not file.is_file():
             return None
         meta = json.loads(file.read_text())
-        ids = meta.get("draft_token_ids")
-        return cls(kind=meta["kind"], draft_vocab=None if ids is None else len(ids))
+        ids, options = meta.get("draft_token_ids"), saved_options(meta)
+        return cls(kind=meta["kind"], draft_vocab=None if ids is None else len(ids),
+                   head_rows=options["head_rows"], aux_layers=options["aux_layers"])
 
     @classmethod
     def of(cls, drafter: Drafter) -> DrafterShape:
-        ids = drafter.draft_token_ids
-        return cls(kind=drafter.kind, draft_vocab=None if ids is None else len(ids))
+        ids, options = drafter.draft_token_ids, drafter.options
+        return cls(kind=drafter.kind, draft_vocab=None if ids is None else len(ids),
+                   head_rows=options["head_rows"], aux_layers=options["aux_layers"])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,14 +259,16 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
     device = str(torch.device(device))
     with torch.device("meta"):   # shapes only: nothing is allocated
         policy = CausalLM(config, envelope.rope_len)
-        eagle = (build_drafter(drafter.kind, config, envelope.rope_len)
+        eagle = (build_drafter(drafter.kind, config, envelope.rope_len,
+                               aux_layers=drafter.aux_layers, head_rows=drafter.head_rows)
                  if drafter is not None and spec.uses_drafter else None)
     width = dtype.itemsize
     weights = _param_count(policy) * width + _buffer_count(policy) * _FP32
     drafter_weights, drafter_aux = 0, ()
     if eagle is not None:   # load_drafter casts its rotary tables to the dtype too
+        subset_copy = 0 if eagle.head is not None else (drafter.draft_vocab or 0)   # DraftHead
         drafter_weights = (_param_count(eagle) + _buffer_count(eagle)
-                           + (drafter.draft_vocab or 0) * config.hidden_size) * width
+                           + subset_copy * config.hidden_size) * width
         drafter_aux = tuple(eagle.aux_layers)
     aux = forward_aux_layers(drafter_aux, tuple(capture_aux_layers), config.num_hidden_layers)
     shape = EngineShape(config=config, envelope=envelope, num_slots=num_slots, dtype=dtype,

@@ -27,6 +27,7 @@ from fastdraft.export.rules import (
     why_required,
     why_unexpected,
 )
+from fastdraft.export.speculators import as_sglang_config, rename_layer, speculators_problems
 from fastdraft.export.vocab import vocab_problems
 from fastdraft.utils.file_digest import check_sums
 
@@ -36,25 +37,33 @@ _INTEGRAL_DTYPES = {"int64": torch.int64, "bool": torch.bool}
 
 
 def check_export(export_dir: str | Path, fmt: str, kind: str, *,
-                 expected_draft_token_ids: torch.Tensor | None = None) -> None:
+                 expected_draft_token_ids: torch.Tensor | None = None,
+                 num_layers: int | None = None) -> None:
     """Checks one exported directory (the one an engine is pointed at, with config.json) for
-    the engine(s) `fmt` names; raises a FastdraftError listing every problem found.
+    the engine(s) that load it; raises a FastdraftError listing every problem found.
 
-    EAGLE-1 directories serve one engine each (fmt "sglang" or "vllm"); an EAGLE-3 directory
-    must serve both, whatever fmt says. `expected_draft_token_ids`, when given, must be what
-    d2t reconstructs (the exporter passes the drafter's own; EAGLE-1 exports carry no draft
-    vocabulary, so it is ignored for them)."""
+    EAGLE-1 directories serve one engine each (fmt "sglang" or "vllm"). An EAGLE-3 directory in
+    the SGLang layout must serve both engines unless it names its aux layers (eagle_config:
+    SGLang only); one in the speculators layout (fmt "speculators", or a config.json with
+    speculators_config) is vLLM's. `expected_draft_token_ids`, when given, must be what d2t
+    reconstructs (EAGLE-1 exports carry no draft vocabulary, so it is ignored for them);
+    num_layers (the policy's) bounds the speculators aux layer ids."""
     check_kind(kind)
-    engines = engines_for(fmt)
-    if kind == "eagle1" and len(engines) > 1:
-        raise FastdraftError("no EAGLE-1 directory serves both engines (SGLang needs fc.bias, vLLM "
-                             "refuses it): check <out>/sglang with fmt='sglang' and <out>/vllm "
-                             "with fmt='vllm'")
-    if kind == "eagle3":
-        engines = ("sglang", "vllm")
     export_dir = Path(export_dir)
     config, tensors = _read_export(export_dir)
     problems: list[str] = []
+    if kind == "eagle1":
+        engines = engines_for(fmt)
+        if len(engines) > 1:
+            raise FastdraftError("no EAGLE-1 directory serves both engines (SGLang needs fc.bias, "
+                                 "vLLM refuses it): check <out>/sglang with fmt='sglang' and "
+                                 "<out>/vllm with fmt='vllm'")
+    elif fmt == "speculators" or "speculators_config" in config:
+        engines = ("vllm",)
+        problems = speculators_problems(config, num_layers)
+        config, tensors = as_sglang_config(config), rename_layer(tensors, to_speculators=False)
+    else:
+        engines = ("sglang",) if "eagle_config" in config else ("sglang", "vllm")
     for engine in engines:  # EAGLE-3's rules are the same for both: report each problem once
         found = _problems_for(config, tensors, kind, engine, expected_draft_token_ids)
         problems += [p for p in found if p not in problems]

@@ -57,13 +57,18 @@ def bias_switches(architecture: str, tensor_names: Collection[str]) -> dict[str,
 
 
 def engine_config(policy: ModelConfig, architecture: str, tensor_names: Collection[str],
-                  draft_vocab_size: int | None = None) -> dict[str, Any]:
+                  draft_vocab_size: int | None = None,
+                  sglang_aux_ids: list[int] | None = None) -> dict[str, Any]:
     """config.json for one exported directory. `draft_vocab_size` (EAGLE-3 only) is written
-    explicitly, null meaning the whole vocabulary: SGLang reads the key with no default."""
+    explicitly, null meaning the whole vocabulary: SGLang reads the key with no default.
+    `sglang_aux_ids` (EAGLE-3 aux layers other than the default capture, in SGLang's count:
+    a layer's output) go into eagle_config, which only SGLang reads that way."""
     model_type = "qwen2" if architecture == SGLANG_EAGLE1_ARCHITECTURES["qwen2"] else "llama"
     config: dict[str, Any] = {"architectures": [architecture], "model_type": model_type,
                               **target_shape(policy),
                               **bias_switches(architecture, tensor_names)}
     if architecture == EAGLE3_ARCHITECTURE:
         config["draft_vocab_size"] = draft_vocab_size
+        if sglang_aux_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids}
     return config

@@ -21,6 +21,7 @@ from fastdraft.export.formats import (
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 LAYER_PREFIX = {"eagle1": "layers.0.", "eagle3": "midlayer."}
+OWN_HEAD = "head.weight"
 
 
 def _decoder_layer_weights(prefix: str, norms: tuple[str, ...]) -> tuple[str, ...]:
@@ -61,7 +62,10 @@ def export_name_map(kind: str, architecture: str) -> dict[str, str]:
     prefix = LAYER_PREFIX[kind]
     names = (*DRAFTER_WEIGHTS[kind],
              *(f"{prefix}self_attn.{p}.bias" for p in ATTENTION_BIASES[architecture]))
-    return {name: name for name in names}
+    mapping = {name: name for name in names}
+    if kind == "eagle3":   # an imported drafter's own lm_head (Drafter.head)
+        mapping[OWN_HEAD] = "lm_head.weight"
+    return mapping
 
 
 def _why_unmapped(name: str, kind: str, architecture: str) -> str:

@@ -70,11 +70,11 @@ def config_problems(config: dict[str, Any], kind: str, engine: Engine) -> list[s
     if _truthy(config, "mlp_bias") and (kind == "eagle3" or engine == "sglang"):
         problems.append("mlp_bias is set but SGLang's EAGLE MLP has no bias")
     if kind == "eagle3":
-        problems += _eagle3_config_problems(config)
+        problems += _eagle3_config_problems(config, engine)
     return problems
 
 
-def _eagle3_config_problems(config: dict[str, Any]) -> list[str]:
+def _eagle3_config_problems(config: dict[str, Any], engine: Engine) -> list[str]:
     problems = []
     if "draft_vocab_size" not in config:
         problems.append("draft_vocab_size is missing: SGLang reads it with no default (write "
@@ -92,9 +92,16 @@ def _eagle3_config_problems(config: dict[str, Any]) -> list[str]:
     if config.get("torch_dtype") != EXPORT_DTYPE_NAME:
         problems.append(f"torch_dtype is {config.get('torch_dtype')!r}, must be "
                         f"{EXPORT_DTYPE_NAME!r}")
-    if "eagle_config" in config:
-        problems.append("eagle_config must be left out: SGLang and vLLM read explicit aux layer "
-                        "ids with an off-by-one difference")
+    if "eagle_config" in config and engine == "vllm":
+        problems.append("eagle_config must be left out of a directory vLLM loads: SGLang and "
+                        "vLLM read its aux layer ids one apart (vLLM gets the speculators "
+                        "layout, which names them as it counts)")
+    elif "eagle_config" in config:
+        ids = (config["eagle_config"] or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not (isinstance(ids, list) and len(ids) == 3
+                and all(isinstance(i, int) and i >= 0 for i in ids)):
+            problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}: three "
+                            "layer ids (SGLang's count: a layer's output)")
     if _truthy(config, "attention_bias", "bias", "qkv_bias"):
         problems.append("attention biases are switched on, but SGLang's EAGLE-3 q/k/v "
                         "projections have none, so the directory cannot serve both engines")

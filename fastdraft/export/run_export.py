@@ -4,13 +4,15 @@ refused export must not hide in the log: the report gives the reason and the com
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdraft.export import export_drafter
-from fastdraft.export.formats import export_dirs
+from fastdraft.export.formats import CONFIG_FILE, export_dirs, layout_engines
 
 _ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+_LAYOUT_NOTES = {"speculators": " (speculators layout)"}
 _RULE = "=" * 72
 
 
@@ -29,7 +31,8 @@ class DrafterExport:
     def report(self) -> str:
         if self.exported:
             lines = ["DRAFTER EXPORTED (checked against the engines' loading rules):"]
-            lines += [f"  {' and '.join(_ENGINE_NAMES[e] for e in engines)}: {path}"
+            lines += [f"  {' and '.join(_ENGINE_NAMES[e] for e in engines)}"
+                      f"{_LAYOUT_NOTES.get(path.name, '')}: {path}"
                       for path, engines in self.written.items()]
             lines.append(f"  (the drafter checkpoint: {self.drafter_dir})")
         else:
@@ -56,5 +59,7 @@ def export_run_drafter(run_dir: Path, kind: str, policy_dir: Path | None, *,
         written = export_drafter(drafter_dir, policy_dir, out, "all")
     except (ValueError, FileNotFoundError, OSError) as err:
         return DrafterExport(run_dir, drafter_dir, reason=str(err))
-    engines = export_dirs(out, kind, "all")
-    return DrafterExport(run_dir, drafter_dir, {path: engines[path] for path in written})
+    layouts = export_dirs(out, kind, "all")
+    return DrafterExport(run_dir, drafter_dir, {
+        path: layout_engines(kind, layouts[path], "eagle_config" not in json.loads(
+            (path / CONFIG_FILE).read_text())) for path in written})

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fastdraft.drafter import DRAFTERS, build_drafter
-from fastdraft.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from fastdraft.drafter.checkpoint import CONFIG_FILE, WEIGHTS_FILE, saved_options
 from fastdraft.drafter.layout import LayerLayout, saved_layout
 from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
@@ -34,6 +34,12 @@ class DrafterCheckpoint:
     layout: LayerLayout             # its decoder layer's switches (layout.py)
     tensors: dict[str, torch.Tensor]
     draft_token_ids: torch.Tensor | None
+    options: dict                   # build_drafter's options (drafter/checkpoint.saved_options)
+
+    def aux_layers(self, policy: ModelConfig) -> tuple[int, ...]:
+        """The policy layers whose inputs it reads (EAGLE-3; vLLM's count)."""
+        with torch.device("meta"):
+            return tuple(build_drafter(self.kind, policy, 1, **self.options).aux_layers)
 
 
 def read_drafter_checkpoint(drafter_dir: str | Path) -> DrafterCheckpoint:
@@ -51,7 +57,8 @@ def read_drafter_checkpoint(drafter_dir: str | Path) -> DrafterCheckpoint:
         trained_for=ModelConfig.from_hf_dict(meta["policy_config"]),
         layout=saved_layout(meta),
         tensors=load_file(str(drafter_dir / WEIGHTS_FILE)),
-        draft_token_ids=None if ids is None else torch.tensor(ids, dtype=torch.long))
+        draft_token_ids=None if ids is None else torch.tensor(ids, dtype=torch.long),
+        options=saved_options(meta))
 
 
 def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
@@ -64,7 +71,8 @@ def check_fits_policy(ckpt: DrafterCheckpoint, policy: ModelConfig) -> None:
                              f"({'; '.join(mismatches)})")
     _check_layout(ckpt, policy)
     with torch.device("meta"):  # names and shapes only, no memory
-        expected = {n: t.shape for n, t in build_drafter(ckpt.kind, policy, 1).state_dict().items()}
+        expected = {n: t.shape for n, t in
+                    build_drafter(ckpt.kind, policy, 1, **ckpt.options).state_dict().items()}
     wrong = [f"{n}: missing" for n in expected if n not in ckpt.tensors]
     wrong += [f"{n}: not a {ckpt.kind} parameter" for n in ckpt.tensors if n not in expected]
     wrong += [f"{n}: shape {list(t.shape)}, expected {list(expected[n])}"

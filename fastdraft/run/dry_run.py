@@ -14,10 +14,12 @@ import torch
 
 from fastdraft.actor.memory_plan import ActorPlan, RunPlan
 from fastdraft.config import RunConfig
+from fastdraft.drafter import build_drafter
 from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.memory_plan import DrafterShape, plan_engine
 from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.errors import FastdraftError
+from fastdraft.export.imports import engine_layout
 from fastdraft.models import ModelConfig
 from fastdraft.trainer.memory_plan import TrainerPlan
 from fastdraft.trainer.online_drafter import trainer_aux_layers
@@ -35,12 +37,12 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
     spec = cfg.rollout.spec
     tuner = (cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)
              if cfg.rollout.tuner.enabled else None)
-    drafter = _drafter_shape(cfg, drafter_dir)
+    drafter = _drafter_shape(cfg, drafter_dir, model_config)
     engine = plan_engine(
         model_config, envelope=Envelope.for_spec(max_seq_len, spec, tuner.arms if tuner else ()),
         num_slots=cfg.rollout.max_batch_size, dtype=getattr(torch, cfg.model.dtype),
         device=cfg.model.device, spec=spec, drafter=drafter,
-        capture_aux_layers=trainer_aux_layers(cfg.drafter.online, drafter_dir),
+        capture_aux_layers=_trainer_capture(cfg, drafter_dir, drafter, model_config),
         graphs=cfg.rollout.graphs, kv_block_size=cfg.rollout.kv_block_size,
         kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
                                getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
@@ -51,6 +53,21 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
     on_cpu = engine.shape.device == "cpu"
     return RunPlan(engine=engine, actor=actor, hybrid=hybrid,
                    trainer=0 if trainer is None else trainer.total * (members if on_cpu else 1))
+
+
+def _trainer_capture(cfg: RunConfig, drafter_dir: Path | None, drafter: DrafterShape | None,
+                     model_config: ModelConfig) -> tuple[int, ...]:
+    """The aux layers the engine keeps for the online trainer (trainer_aux_layers, from the
+    drafter's shape: an engine directory has no drafter_config.json)."""
+    if drafter is None or drafter_dir is None:
+        return ()
+    if engine_layout(drafter_dir) is None:
+        return trainer_aux_layers(cfg.drafter.online, drafter_dir)
+    if not cfg.drafter.online.enabled:
+        return ()
+    with torch.device("meta"):
+        return tuple(build_drafter(drafter.kind, model_config, 1, aux_layers=drafter.aux_layers,
+                                   head_rows=drafter.head_rows).aux_layers)
 
 
 def trainer_plan(cfg: RunConfig, model_config: ModelConfig, drafter_weights: int
@@ -97,13 +114,27 @@ def dry_run(cfg: RunConfig, device_gb: float | None = None, json_path: Path | No
     return 0
 
 
-def _drafter_shape(cfg: RunConfig, drafter_dir: Path | None) -> DrafterShape | None:
+def _engine_drafter_shape(path: Path, policy_config: ModelConfig) -> DrafterShape:
+    """An engine directory's drafter as the plan sees it (its checks made): an lm_head it
+    carries is counted as its own (a borrowed one's draft rows cost as much)."""
+    from fastdraft.export.imports import read_engine_drafter
+    src = read_engine_drafter(path, policy_config)
+    ids, head = src.draft_token_ids, src.lm_head
+    return DrafterShape(kind=src.kind, draft_vocab=None if ids is None else len(ids),
+                        head_rows=None if head is None else head.shape[0],
+                        aux_layers=src.aux_layers)
+
+
+def _drafter_shape(cfg: RunConfig, drafter_dir: Path | None,
+                   policy_config: ModelConfig) -> DrafterShape | None:
     """drafter.path's kind and draft vocabulary; a bootstrap policy's drafter is warmed up by
     the run with drafter.kind over every token."""
     if not cfg.rollout.spec.uses_drafter:
         return None
     if drafter_dir is None:
         return DrafterShape(kind=cfg.drafter.kind)
+    if engine_layout(drafter_dir) is not None:   # planned from its files, nothing imported
+        return _engine_drafter_shape(drafter_dir, policy_config)
     shape = DrafterShape.read(drafter_dir)
     if shape is None:
         raise FileNotFoundError(f"drafter.path {drafter_dir}: no drafter_config.json there; "

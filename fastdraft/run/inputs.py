@@ -104,17 +104,19 @@ def load_tokenizer(policy_dir: Path, setting: str) -> Any:
 
 
 def check_drafter_source(cfg: RunConfig) -> None:
-    """An EAGLE recipe has a drafter: drafter.path (written by `fastdraft drafter warmup`, its
-    weights whole), or the one the run warms up for the bootstrap policy."""
+    """An EAGLE recipe has a drafter: drafter.path (written by `fastdraft drafter warmup` or an
+    engine directory: SpecForge/SGLang or speculators layout, its weights whole), or the one
+    the run warms up for the bootstrap policy."""
     if not cfg.rollout.spec.uses_drafter:
         return
     if cfg.drafter.path is not None:
         from fastdraft.drafter.checkpoint import WEIGHTS_FILE
         from fastdraft.utils.tensor_file import check_safetensors
         path = Path(cfg.drafter.path).expanduser()
-        if not (path / "drafter_config.json").is_file():
-            raise FileNotFoundError(f"drafter.path {path}: no drafter_config.json there; point "
-                                    "it at a directory written by `fastdraft drafter warmup`")
+        if not any((path / name).is_file() for name in ("drafter_config.json", "config.json")):
+            raise FileNotFoundError(
+                f"drafter.path {path}: neither drafter_config.json (a drafter fastdraft wrote) "
+                "nor config.json (a SpecForge/SGLang or speculators EAGLE-3 directory) there")
         if (path / WEIGHTS_FILE).is_file():
             check_safetensors(path / WEIGHTS_FILE, "drafter.path")
         return
@@ -126,19 +128,36 @@ def check_drafter_source(cfg: RunConfig) -> None:
             "rollout.spec.method=suffix drafter.online.enabled=false (no training needed)")
 
 
-def resolve_drafter(cfg: RunConfig, policy_dir: Path) -> Path | None:
-    """The drafter of an EAGLE recipe: drafter.path, or for the bootstrap policy one warmed up
-    with the recipe's settings (cached beside the policy)."""
+def resolve_drafter(cfg: RunConfig, policy_dir: Path, import_dir: Path | None = None
+                    ) -> Path | None:
+    """The drafter of an EAGLE recipe: drafter.path (an engine directory imported into
+    `import_dir`, default beside the policy's cache, as a fastdraft checkpoint), or for the
+    bootstrap policy one warmed up with the recipe's settings (cached beside the policy)."""
     if not cfg.rollout.spec.uses_drafter:
         return None
     check_drafter_source(cfg)
     if cfg.drafter.path is not None:
-        return Path(cfg.drafter.path).expanduser()
+        path = Path(cfg.drafter.path).expanduser()
+        from fastdraft.export.imports import engine_layout, import_drafter
+        if engine_layout(path) is None:
+            return path
+        out = import_dir if import_dir is not None else _default_import_dir(path)
+        import_drafter(path, policy_dir, out)
+        print(f"drafter.path {path} ({engine_layout(path)} layout) imported into {out}")
+        return out
     from fastdraft.demo import ensure_drafter
     from fastdraft.drafter.warmup import WarmupConfig
     warmup = WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
                           num_rollouts=cfg.drafter.warmup_rollouts)
     return ensure_drafter(policy_dir, None, warmup=warmup)
+
+
+def _default_import_dir(source: Path) -> Path:
+    from hashlib import sha256
+
+    from fastdraft.bootstrap.run import default_cache_dir
+    key = sha256(str(source.resolve()).encode()).hexdigest()[:16]
+    return default_cache_dir() / "imported-drafters" / key
 
 
 def rollout_seq_len(cfg: RunConfig) -> int:

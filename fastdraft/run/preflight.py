@@ -86,7 +86,8 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
     if dry:   # a drafter the run would warm up is planned from drafter.kind
         drafter_dir = Path(cfg.drafter.path).expanduser() if cfg.drafter.path else None
     else:
-        drafter_dir = resolve_drafter(cfg, policy_dir)
+        drafter_dir = resolve_drafter(cfg, policy_dir, None if run_dir is None
+                                      else run_dir.path / "imported-drafter")
     from fastdraft.run.dry_run import plan_run
     capacity = capacity or device_capacity(cfg.model.device)
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)

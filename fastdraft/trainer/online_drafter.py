@@ -389,9 +389,10 @@ def trainer_aux_layers(cfg: OnlineDrafterConfig, drafter_dir: Path | None) -> tu
     if not cfg.enabled or drafter_dir is None:
         return ()
     from fastdraft.drafter import build_drafter
-    from fastdraft.drafter.checkpoint import CONFIG_FILE
+    from fastdraft.drafter.checkpoint import CONFIG_FILE, saved_options
     from fastdraft.models import ModelConfig
     meta = json.loads((Path(drafter_dir) / CONFIG_FILE).read_text())
     with torch.device("meta"):   # only its shape is asked for: no weights allocated
-        drafter = build_drafter(meta["kind"], ModelConfig.from_hf_dict(meta["policy_config"]), 1)
+        drafter = build_drafter(meta["kind"], ModelConfig.from_hf_dict(meta["policy_config"]), 1,
+                                **saved_options(meta))
     return tuple(drafter.aux_layers)

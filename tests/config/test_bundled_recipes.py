@@ -167,3 +167,43 @@ def test_a_cuda_recipe_planned_without_a_gpu_assumes_80_gb(monkeypatch):
     assert node_capacity("cuda", 141).total == 141 * 10**9
     with pytest.raises(ValueError, match="--device-memory-gb must be > 0"):
         node_capacity("cuda", 0)
+
+
+def test_the_8b_recipe_plans_a_specforge_drafter_from_its_files(tmp_path, capsys):
+    """drafter.path at a SpecForge EAGLE-3 directory: the dry run checks it against the policy
+    and plans it (its own lm_head's rows, its aux layers) without importing anything."""
+    import torch
+    from safetensors.torch import save_file
+    paths = [p for p in _local_paths(tmp_path, QWEN3_8B) if not p.startswith("drafter.path")]
+    draft_vocab, hidden = 1024, QWEN3_8B["hidden_size"]
+    src = tmp_path / "specforge"
+    src.mkdir()
+    ids = torch.arange(draft_vocab) * 7
+    save_file({"lm_head.weight": torch.zeros(draft_vocab, hidden, dtype=torch.bfloat16),
+               "d2t": ids - torch.arange(draft_vocab),
+               "t2d": torch.zeros(QWEN3_8B["vocab_size"], dtype=torch.bool).index_fill_(0, ids,
+                                                                                       True)},
+              str(src / "model.safetensors"))
+    config = {k: QWEN3_8B[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                       "num_key_value_heads", "head_dim", "vocab_size",
+                                       "rope_theta", "max_position_embeddings")}
+    (src / "config.json").write_text(json.dumps({
+        **config, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}))
+    plan_file = tmp_path / "plan.json"
+    assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", "--json", str(plan_file),
+                    *paths, f"drafter.path={src}") == 0
+    assert "qwen3-8b-grpo fits" in capsys.readouterr().out
+    plan = json.loads(plan_file.read_text())
+    layer = 3 * hidden * hidden + 2 * hidden * 4096 + 2 * hidden * 1024 + hidden * 4096 + (
+        3 * hidden * QWEN3_8B["intermediate_size"]) + 4 * hidden   # fc, q, k, v, o, MLP, norms
+    assert plan["engine"]["drafter_weights"] >= 2 * (layer + draft_vocab * hidden)
+    # a longer draft position budget than the policy's is fine; a shorter one is one line
+    config["max_position_embeddings"] = 2048
+    (src / "config.json").write_text(json.dumps({
+        **config, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab}))
+    assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
+                    f"drafter.path={src}") == 2
+    assert "max_position_embeddings: drafter 2048, policy 40960" in capsys.readouterr().err

@@ -49,8 +49,10 @@ def test_an_exported_drafter_is_reported_with_its_directories(qwen3_policy, tmp_
     report = outcome.report()
     assert outcome.exported and report.splitlines()[1].startswith("DRAFTER EXPORTED")
     if kind == "eagle3":
-        assert outcome.written == {run / "export": ("sglang", "vllm")}
-        assert f"SGLang and vLLM: {run / 'export'}" in report
+        assert outcome.written == {run / "export" / "sglang": ("sglang", "vllm"),
+                                   run / "export" / "speculators": ("vllm",)}
+        assert f"SGLang and vLLM: {run / 'export' / 'sglang'}" in report
+        assert f"vLLM (speculators layout): {run / 'export' / 'speculators'}" in report
     else:
         assert outcome.written == {run / "export" / "sglang": ("sglang",),
                                    run / "export" / "vllm": ("vllm",)}

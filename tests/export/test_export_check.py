@@ -28,8 +28,8 @@ def exports(llama_policy_dir, tmp_path_factory) -> dict[str, Path]:
     saved_drafter(policy, "eagle1", root / "d1")
     saved_drafter(policy, "eagle3", root / "d3", draft_token_ids=DRAFT_IDS)
     sglang, vllm = export_drafter(root / "d1", llama_policy_dir, root / "e1", "all")
-    [eagle3] = export_drafter(root / "d3", llama_policy_dir, root / "e3", "all")
-    return {"sglang": sglang, "vllm": vllm, "eagle3": eagle3}
+    eagle3, speculators = export_drafter(root / "d3", llama_policy_dir, root / "e3", "all")
+    return {"sglang": sglang, "vllm": vllm, "eagle3": eagle3, "speculators": speculators}
 
 
 def _altered(src: Path, dst: Path, config: Callable[[dict], None] | None = None,
@@ -54,6 +54,8 @@ def test_valid_exports_pass(exports):
     for fmt in ("sglang", "vllm", "all"):
         check_export(exports["eagle3"], fmt, "eagle3", expected_draft_token_ids=torch.tensor(
             DRAFT_IDS))
+    check_export(exports["speculators"], "speculators", "eagle3", num_layers=4,
+                 expected_draft_token_ids=torch.tensor(DRAFT_IDS))
 
 
 @pytest.mark.parametrize("key, reason", [

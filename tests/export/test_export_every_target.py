@@ -71,18 +71,18 @@ def test_every_drafter_runs_exports_and_reloads(family_dirs, tmp_path, kind, fam
     assert names.keys() == dict(drafter.named_parameters()).keys()
 
     written = export_drafter(tmp_path / "drafter", policy_dir, tmp_path / "out", "all")
-    if kind == "eagle3":
-        assert written == [tmp_path / "out"]
-        check_export(written[0], "all", kind)
-    else:
-        assert written == [tmp_path / "out" / "sglang", tmp_path / "out" / "vllm"]
-        for path in written:
-            check_export(path, path.name, kind)
+    layouts = ["sglang", "speculators"] if kind == "eagle3" else ["sglang", "vllm"]
+    assert written == [tmp_path / "out" / layout for layout in layouts]
     for path in written:
+        check_export(path, path.name, kind)
         config = json.loads((path / "config.json").read_text())
-        want = ("LlamaForCausalLMEagle3" if kind == "eagle3"
-                else ARCHITECTURES[kind, family][path.name])
-        assert config["architectures"] == [want]
+        if path.name == "speculators":
+            assert config["speculators_model_type"] == "eagle3"
+            config = config["transformer_layer_config"]
+        else:
+            want = ("LlamaForCausalLMEagle3" if kind == "eagle3"
+                    else ARCHITECTURES[kind, family][path.name])
+            assert config["architectures"] == [want]
         assert config["head_dim"] == policy.config.head_dim
         assert_same_steps(drafter, load_exported_drafter(path, policy, MAX_POSITIONS))
 

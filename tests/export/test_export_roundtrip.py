@@ -90,7 +90,7 @@ def test_eagle3_full_vocabulary_round_trip(llama_policy_dir, tmp_path):
     policy = load_policy(llama_policy_dir)
     drafter = saved_drafter(policy, "eagle3", tmp_path / "drafter", seed=2)
     [out] = export_drafter(tmp_path / "drafter", llama_policy_dir, tmp_path / "out", "sglang")
-    assert out == tmp_path / "out"
+    assert out == tmp_path / "out" / "sglang"
     cfg, tensors = _read(out)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["draft_vocab_size"] is None and "draft_vocab_size" in cfg
@@ -108,7 +108,8 @@ def test_eagle3_draft_vocabulary_round_trip(llama_policy_dir, tmp_path):
     draft_ids = [5, 2, 40, 7, 63, 0]  # draft order is not target order
     drafter = saved_drafter(policy, "eagle3", tmp_path / "drafter", seed=3,
                             draft_token_ids=draft_ids)
-    [out] = export_drafter(tmp_path / "drafter", llama_policy_dir, tmp_path / "out", "all")
+    out, speculators = export_drafter(tmp_path / "drafter", llama_policy_dir, tmp_path / "out",
+                                      "both")
     cfg, tensors = _read(out)
     assert cfg["draft_vocab_size"] == 6
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -116,9 +117,18 @@ def test_eagle3_draft_vocabulary_round_trip(llama_policy_dir, tmp_path):
     assert tensors["t2d"].shape == (64,) and int(tensors["t2d"].sum()) == 6
     assert torch.equal(tensors["lm_head.weight"],
                        policy.lm_head.weight[draft_ids].to(torch.bfloat16))
-    reloaded = load_exported_drafter(out, policy, MAX_POSITIONS)
-    assert reloaded.draft_token_ids.tolist() == draft_ids
-    assert_same_steps(drafter, reloaded)
+    for path in (out, speculators):
+        reloaded = load_exported_drafter(path, policy, MAX_POSITIONS)
+        assert reloaded.draft_token_ids.tolist() == draft_ids and reloaded.head is None
+        assert_same_steps(drafter, reloaded)
+    spec_cfg, spec_tensors = _read(speculators)
+    assert {n.replace("layers.0.", "midlayer."): t for n, t in spec_tensors.items()}.keys() == (
+        tensors.keys())
+    assert spec_cfg["draft_vocab_size"] == 6 and spec_cfg["norm_before_residual"] is False
+    assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == list(drafter.aux_layers)
+    assert spec_cfg["target_hidden_size"] == 64
+    assert spec_cfg["speculators_config"]["verifier"]["name_or_path"] == str(
+        llama_policy_dir.resolve())
 
 
 def test_tied_policy_lm_head_is_read_from_the_embedding(qwen2_policy_dir):

@@ -9,9 +9,11 @@ import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
 from fastdraft.drafter.checkpoint import trainable_named_tensors
+from fastdraft.models import load_model
 from fastdraft.observability.metrics import read_metrics
 from fastdraft.run.loop import train, train_step
 from fastdraft.run.run import Run
+from tests.export.conftest import specforge_checkpoint
 from tests.run.test_loop import _cfg
 from tests.trainer.online_helpers import online_drafter
 
@@ -169,6 +171,30 @@ def test_an_eagle3_drafter_trains_online_in_an_rl_run(char_policy, char_eagle3, 
     rows = read_metrics(tmp_path / "run")
     assert all(0 <= r["drafter/top1_acc"] <= 1 for r in rows)
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
+
+
+def test_an_imported_specforge_drafter_serves_and_trains_online(char_policy, tmp_path):
+    """drafter.path at a SpecForge checkpoint (own lm_head over a draft vocabulary, aux layers
+    named in SGLang's count): the run imports it into its run directory, serves it losslessly,
+    trains its own lm_head online and publishes it, and exports both layouts at its end."""
+    vocab = load_model(char_policy).config.vocab_size
+    src = specforge_checkpoint(tmp_path / "specforge", vocab=vocab, draft_vocab=vocab // 2,
+                               sglang_aux_ids=[0, 0, 0], max_positions=512)
+    run = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={src}",
+                   "drafter.online.enabled=true", "drafter.online.token_budget=64",
+                   "drafter.online.tail_fraction=1.0", "algorithm.num_steps=2",
+                   "drafter.online.min_steps_per_step=2"),
+              tmp_path / "run")
+    drafter = run.engine.model_drafter
+    assert drafter.aux_layers == (1, 1, 1) and drafter.head.out_features == vocab // 2
+    head = drafter.head.weight.detach().clone()
+    train(run)
+    rows = read_metrics(tmp_path / "run")
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
+    assert sum(r["drafter/train_steps"] for r in rows) >= 4 and run.engine.drafter_version >= 1
+    assert not torch.equal(run.engine.model_drafter.head.weight, head)   # published, trained
+    for layout in ("sglang", "speculators"):
+        assert (tmp_path / "run" / "export" / layout / "config.json").is_file()
 
 
 def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_policy,
