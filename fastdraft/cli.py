@@ -118,12 +118,30 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the N most frequent answer tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="rollout and training seed")
+    p.add_argument("--prompt-key", default="prompt", help="--prompts: the prompt column")
+    p.add_argument("--device", default="cpu",
+                   help="where the engine generates and captures and the drafter trains "
+                        "(cpu, cuda, cuda:N)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="data-parallel training members (Ray actors besides this process; "
+                        "CPU only so far)")
+    p.add_argument("--token-budget", type=int, default=4096,
+                   help="tokens per packed micro-batch of each member")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this drafter (fastdraft, SpecForge/SGLang or speculators "
+                        "directory) instead of a fresh one")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="captured rollouts and trainer state (default: OUT.warmup)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed warm-up from its --work-dir")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="micro-steps between trainer state saves (what --resume continues from)")
 
 
 @command("drafter", "train a drafter for a policy (offline warm-up)")(_drafter_args)
 def run_drafter_cmd(args: argparse.Namespace) -> int:
     from fastdraft.demo import default_drafter_dir, prompt_ids, resolve_model
-    from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
+    from fastdraft.drafter.warmup import WarmupConfig
     policy = resolve_model(args.policy, args.cache_dir, flag="--policy")
     if args.action == "import":
         return _import_drafter(args.source, policy, args.out)
@@ -133,13 +151,30 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
                        response_only=not args.all_tokens,
                        **{k: v for k, v in given.items() if v is not None})
-    prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed, heldout=False)
-    report = warmup_drafter(policy, out, prompts, cfg)
+    prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed, heldout=False,
+                         prompt_key=args.prompt_key)
+    report = _device_warmup(args, policy, out, prompts, cfg)
     print(f"drafter: {report.drafter_dir} ({report.kind}); {report.num_rollouts} rollouts in "
           f"{report.rollout_seconds:.0f}s, {report.train_tokens:,} tokens trained in "
           f"{report.train_seconds:.0f}s; final loss {report.final_loss:.4f}, "
           f"top-1 agreement with the policy {report.final_top1_acc:.1%}")
     return 0
+
+
+def _device_warmup(args: argparse.Namespace, policy: Path, out: Path, prompts, cfg):
+    import torch
+
+    from fastdraft.run.device_warmup import DevicePlan, device_warmup
+    work = args.work_dir or out.with_name(out.name + ".warmup")
+    init = args.init
+    if init is not None:
+        from fastdraft.export.imports import engine_layout, import_drafter
+        if engine_layout(init) is not None:
+            init = import_drafter(init, policy, work.with_name(work.name + ".init"))
+    plan = DevicePlan(device=args.device, workers=args.workers, token_budget=args.token_budget,
+                      save_every=args.save_every,
+                      dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    return device_warmup(policy, out, prompts, cfg, plan, work, init=init, resume=args.resume)
 
 
 def _import_drafter(source: Path | None, policy: Path, out: Path | None) -> int:

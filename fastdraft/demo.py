@@ -86,14 +86,15 @@ def ensure_drafter(policy_dir: Path, drafter_dir: Path | None, kind: str = "eagl
 
 
 def prompt_ids(model_dir: Path, prompts_file: Path | None, n: int, seed: int = 0,
-               heldout: bool = True) -> list[list[int]]:
-    """Up to n prompts as token ids: from a local JSONL/parquet file, else task problems."""
+               heldout: bool = True, prompt_key: str = "prompt") -> list[list[int]]:
+    """Up to n prompts as token ids: from a local JSONL/parquet file's prompt_key column, else
+    task problems."""
     if prompts_file is None:
         return [ids for ids, _, _ in heldout_prompts(model_dir, n, seed, heldout)]
     from fastdraft.data.files import load_prompts
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [tokenizer.encode(r["prompt"], add_special_tokens=False)
-            for r in load_prompts(prompts_file)[:n]]
+            for r in load_prompts(prompts_file, prompt_key)[:n]]
 
 
 def heldout_prompts(model_dir: Path, n: int, seed: int = 0, heldout: bool = True

@@ -76,5 +76,7 @@ def test_the_miniature_real_recipe_runs_end_to_end(tmp_path):
     assert min(m.stats.tokens for m in run.drafter.worker.members) > 0
     assert sum(r["rollout/preemptions"] for r in rows) > 0
     assert sorted(read_timeline(tmp_path / "run")) == list(range(STEPS))
-    check_export(tmp_path / "run" / "export", "all", "eagle3")   # raises on any problem
+    for layout in ("sglang", "speculators"):   # each raises on any problem
+        check_export(tmp_path / "run" / "export" / layout, layout, "eagle3",
+                     num_layers=run.engine.config.num_hidden_layers)
     assert (tmp_path / "run" / "memory_plan.json").is_file()

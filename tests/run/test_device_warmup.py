@@ -1,0 +1,117 @@
+"""`fastdraft drafter warmup` on the devices: the engine captures the rollouts' hidden states,
+one or two data-parallel members train on them and reach the same held-out accept length; a
+warm-up killed mid-training resumes from its last saved state without capturing again; the
+progress bar shows tokens/s and the ETA."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastdraft.drafter import build_drafter, load_drafter
+from fastdraft.drafter.acceptance import expected_accept
+from fastdraft.drafter.warmup import WarmupConfig
+from fastdraft.engine import RolloutEngine, SamplingParams
+from fastdraft.models import load_model
+from fastdraft.run.device_warmup import DevicePlan, device_warmup
+from fastdraft.trainer.warmup_train import STATE_FILE
+
+pytestmark = pytest.mark.xdist_group("ray")
+CFG = WarmupConfig(kind="eagle3", num_rollouts=48, max_new_tokens=24, steps=30, warmup_steps=3,
+                   lr=3e-3)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 40, (6,), generator=gen).tolist() for _ in range(n)]
+
+
+def _held_out_accept(policy_dir, drafter_dir) -> float:
+    """Expected accept length (depth 3) on held-out rollouts of the policy."""
+    policy = load_model(policy_dir, max_positions=64)
+    drafter = (build_drafter("eagle3", policy.config, 64).attach(policy) if drafter_dir is None
+               else load_drafter(drafter_dir, policy, 64))
+    engine = RolloutEngine.from_model(policy, max_batch_size=16, max_seq_len=40)
+    outs = engine.generate(_prompts(16, seed=99), SamplingParams(seed=7, max_new_tokens=24))
+    total = None
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+        with torch.no_grad():
+            _, hidden = policy(ids, torch.arange(ids.shape[1]).view(1, -1),
+                               aux_layers=drafter.aux_layers)
+            valid = torch.zeros_like(ids, dtype=torch.bool)
+            valid[:, len(out.prompt_token_ids) - 2:] = True
+            got = expected_accept(drafter, ids, hidden, valid, policy.lm_head, 3)
+        total = got if total is None else total + got
+    return total.mean
+
+
+def test_one_and_two_members_warm_up_drafters_that_accept_alike(char_policy, tmp_path):
+    accepts = {}
+    for workers in (1, 2):
+        out = tmp_path / f"drafter-{workers}"
+        report = device_warmup(char_policy, out, _prompts(CFG.num_rollouts, seed=1), CFG,
+                               DevicePlan(workers=workers, token_budget=512, save_every=10),
+                               tmp_path / f"work-{workers}", progress=False)
+        assert report.train_tokens > 0 and report.num_rollouts == CFG.num_rollouts
+        meta = json.loads((out / "drafter_config.json").read_text())
+        assert meta["warmup_workers"] == workers and meta["warmup_device"] == "cpu"
+        accepts[workers] = _held_out_accept(char_policy, out)
+    untrained = _held_out_accept(char_policy, None)
+    print(f"held-out expected accept length: 1 member {accepts[1]:.3f}, 2 members "
+          f"{accepts[2]:.3f}, untrained {untrained:.3f}")
+    assert min(accepts.values()) > untrained + 0.3
+    assert abs(accepts[1] - accepts[2]) < 0.1 * accepts[1]
+
+
+def test_a_killed_warmup_resumes_where_it_saved(char_policy, tmp_path):
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    command = [sys.executable, "-m", "fastdraft.cli", "drafter", "warmup", "--policy",
+               str(char_policy), "--kind", "eagle3", "--num-rollouts", "32", "--steps", "400",
+               "--token-budget", "256", "--save-every", "5", "--out", str(out), "--work-dir",
+               str(work)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                            text=True)
+    state = work / STATE_FILE
+    deadline = time.monotonic() + 240
+    while not state.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    stderr = proc.communicate()[1]
+    assert state.is_file() and not out.exists()
+    # the bar: steps of all, the ETA, trained tokens/s
+    assert "drafter warm-up" in stderr and "tok_s=" in stderr and "<" in stderr
+    killed = torch.load(state, weights_only=False)
+    saved = killed["steps"]
+    shards = {p: p.stat().st_mtime_ns for p in (work / "capture").glob("shard-*")}
+    assert 0 < saved < 400 and shards
+
+    from fastdraft.demo import prompt_ids
+    prompts = prompt_ids(char_policy, None, 32, heldout=False)
+
+    def resume(steps: int):
+        cfg = WarmupConfig(kind="eagle3", num_rollouts=32, steps=steps, warmup_steps=0)
+        return device_warmup(char_policy, out, prompts, cfg,
+                             DevicePlan(token_budget=256, save_every=5), work, resume=True,
+                             progress=False)
+
+    # resumed to where it saved: no step taken, the drafter is the saved one, bit for bit
+    resume(saved)
+    kept = killed["drafter"]
+    policy = load_model(char_policy)
+    for name, tensor in load_drafter(out, policy, 64).named_parameters():
+        assert torch.equal(tensor, kept[name]), name
+    # and on from there, the captured rollouts read, not made again
+    report = resume(saved + 10)
+    assert torch.load(state, weights_only=False)["steps"] == saved + 10
+    assert {p: p.stat().st_mtime_ns for p in (work / "capture").glob("shard-*")} == shards
+    assert report.train_tokens > 0
