@@ -110,11 +110,6 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="default: 4000")
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="unrolled training steps (default: eagle1 2, eagle3 3)")
-    p.add_argument("--all-tokens", action="store_true",
-                   help="also score prompt positions (default: answer tokens only)")
-    p.add_argument("--argmax-weight", type=float, default=None,
-                   help="share of the policy's argmax in the CE target: higher favours greedy "
-                        "over sampled acceptance (default: WarmupConfig's)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft over the N most frequent answer tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="rollout and training seed")
@@ -147,17 +142,19 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
         return _import_drafter(args.source, policy, args.out)
     out = args.out or default_drafter_dir(policy, args.kind)
     given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
-             "argmax_weight": args.argmax_weight, "draft_vocab": args.draft_vocab}
+             "draft_vocab": args.draft_vocab}
     cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
-                       response_only=not args.all_tokens,
                        **{k: v for k, v in given.items() if v is not None})
     prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed, heldout=False,
                          prompt_key=args.prompt_key)
     report = _device_warmup(args, policy, out, prompts, cfg)
-    print(f"drafter: {report.drafter_dir} ({report.kind}); {report.num_rollouts} rollouts in "
-          f"{report.rollout_seconds:.0f}s, {report.train_tokens:,} tokens trained in "
-          f"{report.train_seconds:.0f}s; final loss {report.final_loss:.4f}, "
-          f"top-1 agreement with the policy {report.final_top1_acc:.1%}")
+    capture_rate = report.captured_tokens / max(report.rollout_seconds, 1e-9)
+    train_rate = report.train_tokens / max(report.train_seconds, 1e-9)
+    print(f"drafter: {report.drafter_dir} ({report.kind}); {report.num_rollouts} rollouts, "
+          f"{report.captured_tokens:,} tokens generated and captured in "
+          f"{report.rollout_seconds:.1f}s ({capture_rate:,.0f} tok/s); {report.train_tokens:,} "
+          f"tokens trained in {report.train_seconds:.1f}s ({train_rate:,.0f} tok/s); final loss "
+          f"{report.final_loss:.4f}, top-1 agreement with the policy {report.final_top1_acc:.1%}")
     return 0
 
 

@@ -7,9 +7,9 @@
   copy, then a background write) over a synchronous full save of the same run state.
 - the drift experiment: the tiny recipe run three times side by side, steps interleaved, with
   the same seeds: the warm-up drafter kept fixed ("stale"), trained online with plain KD
-  (eagle1's loss) and with reward-weighted KD. Then, on the drifted policy of the plain-KD run
-  (pushed into all three engines), the same prompts and seeds are rolled out with each drafter:
-  accept length and rollout time (`adaptive_accept_length`, `stale_accept_length`,
+  (the drafter kind's own loss) and with reward-weighted KD. Then, on the drifted policy of the
+  plain-KD run (pushed into all three engines), the same prompts and seeds are rolled out with
+  each drafter: accept length and rollout time (`adaptive_accept_length`, `stale_accept_length`,
   `adaptive_vs_stale`), and each run's reward curve. A fourth run trains reward-weighted KD on
   samples from the actor's update forward (drafter.online.source=actor, what a backend without
   hidden-state capture uses): its update, rollout and step time and accept length over the
@@ -45,7 +45,8 @@ from fastdraft.trainer.losses import compute_drafter_loss
 from fastdraft.trainer.spot import PolicyHead, SpotConfig, SpotTrainer, StopEvent, draft_batch
 
 DRIFT_RUNS = {"stale": ["drafter.online.enabled=false"],
-              "kd": ["drafter.online.enabled=true", "drafter.online.loss=eagle1"],
+              # the drafter kind's own loss (eagle1 / eagle3)
+              "kd": ["drafter.online.enabled=true", "drafter.online.loss=null"],
               "reward_kd": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd"],
               # the same, its samples from the actor's update forward, not the engine's capture
               "reward_kd_actor": ["drafter.online.enabled=true", "drafter.online.loss=reward_kd",

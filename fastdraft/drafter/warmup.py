@@ -79,6 +79,7 @@ class WarmupReport:
     train_seconds: float
     final_loss: float
     final_top1_acc: float
+    captured_tokens: int = 0   # tokens of the rollouts (the device warm-up's capture)
 
 
 def collect_rollouts(policy: CausalLM, prompts: list[list[int]], cfg: WarmupConfig

@@ -74,6 +74,7 @@ def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg
                       device=plan.device)
     job = MemberJob(spill_dir=work_dir / "capture", work_dir=work_dir, drafter=drafter.detached(),
                     head=head, spot=spot, steps=cfg.steps, save_every=plan.save_every)
+    _check_member_fits(drafter, spot, plan, work_dir / "capture")
     start = time.perf_counter()
     trainer = _train(job, plan, progress)
     train_s = time.perf_counter() - start
@@ -84,7 +85,32 @@ def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg
     stats = trainer.stats
     return WarmupReport(out_dir, cfg.kind, capture.samples, stats.tokens, capture.seconds,
                         train_s, stats.last.get("loss", float("nan")),
-                        stats.last.get("top1_acc", float("nan")))
+                        stats.last.get("top1_acc", float("nan")), capture.tokens)
+
+
+def _check_member_fits(drafter: Drafter, spot: SpotConfig, plan: DevicePlan,
+                       spill_dir: Path) -> None:
+    """A member's memory on its device, planned as a run plans its trainer member
+    (trainer/memory_plan.py; on a CPU its share of the captured samples too), before training."""
+    from fastdraft.config.sections import OnlineDrafterConfig
+    from fastdraft.trainer.memory_plan import TrainerPlan
+    from fastdraft.utils.device_memory import device_capacity, gb
+    width = plan.dtype.itemsize
+    params = sum(p.numel() for p in drafter.parameters())
+    on_cpu = torch.device(plan.device).type == "cpu"
+    samples = sum(f.stat().st_size for f in spill_dir.glob("shard-*")) // plan.workers
+    member = TrainerPlan.of(drafter.config, OnlineDrafterConfig(
+        token_budget=spot.token_budget, buffer_mb=max(samples, 1) / 2**20), params * width,
+        width, on_cpu)
+    capacity = device_capacity(plan.device)
+    print(f"warm-up member memory plan ({plan.device}): {gb(member.total)} of "
+          f"{gb(capacity.usable)} usable (drafter state {gb(member.state)}, policy head "
+          f"{gb(member.head)}, a micro-step {gb(member.transient)}"
+          + (f", samples {gb(member.buffer)})" if on_cpu else ")"))
+    if member.total > capacity.usable:
+        raise FastdraftError(f"a warm-up member needs {gb(member.total)} on {plan.device} but "
+                             f"{gb(capacity.usable)} is usable: lower --token-budget (now "
+                             f"{spot.token_budget}), or --draft-vocab")
 
 
 def _aux_layers(cfg: WarmupConfig, policy_dir: Path, init: Path | None) -> tuple[int, ...]:

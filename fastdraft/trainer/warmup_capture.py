@@ -25,7 +25,7 @@ PROGRESS_FILE = "capture.json"
 
 @dataclass(frozen=True, slots=True)
 class CaptureReport:
-    samples: int
+    samples: int         # in the spill directory (a resumed capture's included)
     tokens: int          # tokens captured (prompt and answer), this call's chunks only
     seconds: float       # this call's
     resumed_chunks: int  # chunks a previous, killed capture had written
@@ -40,7 +40,7 @@ def capture_rollouts(engine: RolloutEngine, prompts: list[list[int]], params: Sa
     store = SpillStore(out_dir)
     expected = {"num_prompts": len(prompts), "chunk": chunk, "seed": params.seed}
     done = _chunks_done(out_dir, expected)
-    samples = tokens = 0
+    tokens = 0
     start = time.perf_counter()
     for c, first in enumerate(range(0, len(prompts), chunk)):
         batch = prompts[first: first + chunk]
@@ -56,12 +56,12 @@ def capture_rollouts(engine: RolloutEngine, prompts: list[list[int]], params: Sa
         chunk_samples = buffer.samples()
         store.write([(s, c) for s in chunk_samples], step=c)
         atomic_write_text(out_dir / PROGRESS_FILE, json.dumps({**expected, "chunks": c + 1}))
-        samples += len(chunk_samples)
         tokens += sum(s.num_tokens for s in chunk_samples)
         if progress is not None:
             progress.update(len(batch))
             progress.set_postfix(captured_tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
-    return CaptureReport(samples, tokens, time.perf_counter() - start, done)
+    return CaptureReport(len(store.manifest().records), tokens, time.perf_counter() - start,
+                         done)
 
 
 def _chunks_done(out_dir: Path, expected: dict) -> int:

@@ -115,3 +115,12 @@ def test_a_killed_warmup_resumes_where_it_saved(char_policy, tmp_path):
     assert torch.load(state, weights_only=False)["steps"] == saved + 10
     assert {p: p.stat().st_mtime_ns for p in (work / "capture").glob("shard-*")} == shards
     assert report.train_tokens > 0
+
+
+def test_a_member_that_does_not_fit_its_device_is_refused_before_training(char_policy,
+                                                                          tmp_path):
+    from fastdraft.errors import FastdraftError
+    with pytest.raises(FastdraftError, match=r"a warm-up member needs .* lower --token-budget"):
+        device_warmup(char_policy, tmp_path / "drafter", _prompts(8, seed=1), CFG,
+                      DevicePlan(token_budget=100_000_000), tmp_path / "work", progress=False)
+    assert not (tmp_path / "drafter").exists()
