@@ -13,7 +13,9 @@
 # the GPU: the miniature real recipe (one actor rank: FSDP2 ranks need a GPU each) and, where
 # Ray is installed, the tiny recipe with 2 rollout workers sharing this one GPU
 # (cluster.gpus_per_worker=0.5) and the miniature on one hybrid worker; GPU_CHECK_STEPS steps
-# each (default 3). Each run's log, metrics.jsonl and memory plan land in OUT_DIR.
+# each (default 3). Each run's log, metrics.jsonl and memory plan land in OUT_DIR. "warmup" runs
+# `drafter warmup --device cuda` on the miniature's policy (EAGLE-3, 512 rollouts, 400 steps of
+# 1024 tokens) and on the CPU beside it: capture and training tokens/s in OUT_DIR/warmup_*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu}
@@ -54,6 +56,17 @@ rl() {
     echo "rl: Ray is not installed here: the Ray runs are skipped"
   fi
 }
+warmup() {   # the device warm-up on this GPU, and the same on its CPU for the ratio
+  local policy dir; dir=$(mktemp -d)
+  policy=$("$py" -c "from fastdraft.bootstrap.run import run_bootstrap
+print(run_bootstrap(None, spec='tiny-qwen3', log=lambda *_: None).policy_dir)") || status=1
+  for device in cuda cpu; do
+    fastdraft drafter warmup --policy "$policy" --kind eagle3 --num-rollouts 512 --steps 400 \
+      --token-budget 1024 --device "$device" --out "$dir/drafter-$device" 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s\|step/s\|rollout/s" | tee "$out/warmup_$device.log" || status=1
+  done
+  rm -rf "$dir"
+}
 bench() {
   for run in ${GPU_CHECK_BENCH:-gpu:bfloat16:--no-compile+--repeats+2 spec:float32}; do
     IFS=: read -r which dtype extra <<<"$run"
@@ -65,8 +78,8 @@ bench() {
 }
 for part in ${GPU_CHECK_PARTS:-tests bench}; do
   case $part in
-    tests|rl|bench) "$part" ;;
-    *) echo "GPU_CHECK_PARTS: unknown part $part (tests, rl, bench)"; exit 2 ;;
+    tests|rl|bench|warmup) "$part" ;;
+    *) echo "GPU_CHECK_PARTS: unknown part $part (tests, rl, bench, warmup)"; exit 2 ;;
   esac
 done
 exit $status

@@ -64,8 +64,9 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
         runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *extra]), out_dir / name,
                          cache_dir=cache_dir)
     base = runs["stale"]
+    # (on an online run: its engine captures what the drafter reads, EAGLE-3's aux layers too)
     payload: dict[str, Any] = {"recipe": str(recipe), "overrides": overrides,
-                               **unit_costs(base)}
+                               **unit_costs(runs["kd"])}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for step in range(base.cfg.algorithm.num_steps):
         for name, run in runs.items():
@@ -132,11 +133,11 @@ def ceiling_eval(runs: dict[str, Run], num_seeds: int = 2, source: str = "kd",
     evaluates."""
     from fastdraft.demo import prompt_ids
     from fastdraft.drafter.checkpoint import trainable_named_tensors
-    from fastdraft.drafter.warmup import WarmupConfig, warmup_policy, warmup_positions
+    from fastdraft.drafter.warmup import warmup_policy, warmup_positions
     from fastdraft.models import load_model, load_named_tensors
+    from fastdraft.run.inputs import recipe_warmup
     cfg, run = runs[source].cfg, runs[host]
-    warmup = WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
-                          num_rollouts=cfg.drafter.warmup_rollouts)
+    warmup = recipe_warmup(cfg)
     prompts = prompt_ids(run.policy_dir, None, warmup.num_rollouts, heldout=False)
     policy = load_model(run.policy_dir, max_positions=warmup_positions(prompts, warmup))
     load_named_tensors(policy, runs[source].actor.full_parameters())
@@ -175,7 +176,7 @@ def unit_costs(run: Run) -> dict[str, Any]:
     policy, drafter = run.engine.model, run.engine.model_drafter
     assert drafter is not None, "bench drafter needs rollout.spec.method=eagle"
     samples = _long_tail_samples(run)
-    head = PolicyHead.of(policy)
+    head = PolicyHead.of(policy).float()   # the drafter trains in fp32 (as SpotTrainer)
     fresh = drafter.detached().attach(head)
     budget = 2048
     packed, padded = _throughput(fresh, head, samples, budget, lambda s, _: pack_rows(s)), \
@@ -183,7 +184,7 @@ def unit_costs(run: Run) -> dict[str, Any]:
     buffer = DataBuffer(2**28)
     for s in samples:
         buffer.add(s)
-    trainer = SpotTrainer(fresh, head, buffer, SpotConfig(token_budget=1024))
+    trainer = SpotTrainer(fresh, head, buffer, SpotConfig(loss=fresh.kind, token_budget=1024))
     rng = random.Random(0)
     for _ in range(8):
         stop = StopEvent()

@@ -161,11 +161,13 @@ def _train(job: MemberJob, plan: DevicePlan, progress: bool):
                for rank, m in enumerate(others, start=1)]
     try:
         trainer = train_member(job, 0, plan.workers, store, progress)
-        mine = dict(trainer.drafter.named_parameters())
-        for rank, theirs in enumerate(ray.get(pending), start=1):
+        mine, tokens = dict(trainer.drafter.named_parameters()), trainer.stats.tokens
+        for rank, (theirs, their_tokens) in enumerate(ray.get(pending), start=1):
             if any(not torch.equal(mine[n].detach().cpu(), t) for n, t in theirs.items()):
                 raise RuntimeError(f"warm-up member {rank} ended with other weights than "
                                    "member 0: the data-parallel steps diverged")
+            tokens += their_tokens
+        trainer.stats.tokens = tokens   # the group's: what the report counts
     finally:
         for m in others:
             ray.kill(m)

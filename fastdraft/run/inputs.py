@@ -146,10 +146,15 @@ def resolve_drafter(cfg: RunConfig, policy_dir: Path, import_dir: Path | None = 
         print(f"drafter.path {path} ({engine_layout(path)} layout) imported into {out}")
         return out
     from fastdraft.demo import ensure_drafter
+    return ensure_drafter(policy_dir, None, warmup=recipe_warmup(cfg))
+
+
+def recipe_warmup(cfg: RunConfig):
+    """The warm-up a run gives the bootstrap policy's drafter (drafter.kind, warmup_steps,
+    warmup_rollouts)."""
     from fastdraft.drafter.warmup import WarmupConfig
-    warmup = WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
-                          num_rollouts=cfg.drafter.warmup_rollouts)
-    return ensure_drafter(policy_dir, None, warmup=warmup)
+    return WarmupConfig(kind=cfg.drafter.kind, steps=cfg.drafter.warmup_steps,
+                        num_rollouts=cfg.drafter.warmup_rollouts)
 
 
 def _default_import_dir(source: Path) -> Path:

@@ -62,11 +62,13 @@ class WarmupMember:
     """Members 1.. of the group, a Ray actor each (workers/warmup_member.remote_member)."""
 
     def train(self, job: MemberJob, rank: int, world: int, store_at: tuple[str, int]
-              ) -> dict[str, torch.Tensor]:
-        """Its trained tensors (the same as every member's: the group's check)."""
+              ) -> tuple[dict[str, torch.Tensor], int]:
+        """Its trained tensors (the same as every member's: the group's check) and the tokens
+        it trained on."""
         store = dist.TCPStore(store_at[0], store_at[1], is_master=False)
         trainer = train_member(job, rank, world, store)
-        return {n: p.detach().cpu() for n, p in trainer.drafter.named_parameters()}
+        return ({n: p.detach().cpu() for n, p in trainer.drafter.named_parameters()},
+                trainer.stats.tokens)
 
 
 def remote_member(num_cpus: float, num_gpus: float):

@@ -20,7 +20,7 @@ def test_drafter_bench_reports_drift_and_unit_costs(char_policy, char_drafter, t
     # actor-sourced run's samples only reach its trainer after the first update
     # (the ceiling drafter's warm-up: the recipe's warm-up budget, small here)
     out = run_drafter_bench(recipe, ["actor.lr=1e-3", "drafter.online.min_steps_per_step=1",
-                                     "drafter.warmup_steps=8", "drafter.warmup_rollouts=8"],
+                                     "drafter.warmup_steps=60", "drafter.warmup_rollouts=8"],
                             tmp_path / "runs", tmp_path / "d.json")
     for key in ("packing_speedup", "preemption_latency_s_median", "ckpt_blocking_ratio",
                 "adaptive_accept_length", "stale_accept_length", "adaptive_vs_stale",

@@ -174,3 +174,16 @@ def test_speculators_norm_before_residual_is_refused(llama_policy_dir, tmp_path)
     (spec / "SHA256SUMS").unlink()
     with pytest.raises(FastdraftError, match="norm_before_residual is not false"):
         import_drafter(spec, llama_policy_dir, tmp_path / "imported")
+
+
+def test_the_import_command_writes_a_drafter_the_run_loads(llama_policy_dir, tmp_path, capsys):
+    from fastdraft.cli import main
+    src = _specforge_dir(tmp_path / "specforge")
+    assert main(["drafter", "import", "--source", str(src), "--policy", str(llama_policy_dir),
+                 "--out", str(tmp_path / "imported")]) == 0
+    assert "imported from the sglang layout" in capsys.readouterr().out
+    drafter = load_drafter(tmp_path / "imported", load_policy(llama_policy_dir), MAX_POSITIONS)
+    assert drafter.aux_layers == (1, 2, 3) and drafter.head is not None
+    assert main(["drafter", "import", "--source", str(tmp_path), "--policy",
+                 str(llama_policy_dir), "--out", str(tmp_path / "none")]) == 2
+    assert "no config.json of an engine drafter" in capsys.readouterr().err

@@ -4,6 +4,8 @@ collapsed drafter makes the engine fall back to plain decoding; a corrupted one 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -195,6 +197,14 @@ def test_an_imported_specforge_drafter_serves_and_trains_online(char_policy, tmp
     assert not torch.equal(run.engine.model_drafter.head.weight, head)   # published, trained
     for layout in ("sglang", "speculators"):
         assert (tmp_path / "run" / "export" / layout / "config.json").is_file()
+    # `fastdraft export` again, vLLM's layout only, with the draft length vLLM serves
+    from fastdraft.cli import main
+    assert main(["export", "--run", str(tmp_path / "run"), "--format", "speculators",
+                 "--speculative-tokens", "5", "--out", str(tmp_path / "again")]) == 0
+    config = json.loads((tmp_path / "again" / "speculators" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 1]
+    assert config["draft_vocab_size"] == vocab // 2
 
 
 def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_policy,
