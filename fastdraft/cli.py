@@ -120,6 +120,9 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="data-parallel training members (Ray actors besides this process; "
                         "CPU only so far)")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the training forward/backward (fp32 masters either way; default: "
+                        "bfloat16 on cuda, float32 on the CPU)")
     p.add_argument("--token-budget", type=int, default=4096,
                    help="tokens per packed micro-batch of each member")
     p.add_argument("--init", type=Path, default=None,
@@ -168,9 +171,11 @@ def _device_warmup(args: argparse.Namespace, policy: Path, out: Path, prompts, c
         from fastdraft.export.imports import engine_layout, import_drafter
         if engine_layout(init) is not None:
             init = import_drafter(init, policy, work.with_name(work.name + ".init"))
+    cuda = args.device.startswith("cuda")
     plan = DevicePlan(device=args.device, workers=args.workers, token_budget=args.token_budget,
                       save_every=args.save_every,
-                      dtype=torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+                      dtype=torch.bfloat16 if cuda else torch.float32,
+                      compute_dtype=args.compute_dtype or ("bfloat16" if cuda else "float32"))
     return device_warmup(policy, out, prompts, cfg, plan, work, init=init, resume=args.resume)
 
 

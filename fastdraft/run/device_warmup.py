@@ -29,7 +29,8 @@ from fastdraft.workers.warmup_member import MemberJob, remote_member, train_memb
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DevicePlan:
     """Where the warm-up runs: device and dtype of the engine and the members, how many
-    members (one a device on a GPU node; processes on a CPU), the packed micro-batch."""
+    members (one a device on a GPU node; processes on a CPU), the packed micro-batch, the
+    members' compute dtype (fp32 masters and AdamW either way)."""
 
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -37,6 +38,7 @@ class DevicePlan:
     token_budget: int = 4096
     max_batch_size: int = 64
     save_every: int = 50
+    compute_dtype: str = "float32"   # the members' forward/backward (bfloat16: autocast)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.token_budget < 2 or self.save_every < 1:
@@ -71,7 +73,7 @@ def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg
         drafter.draft_token_ids = _draft_vocabulary(work_dir / "capture", cfg.draft_vocab)
     spot = SpotConfig(loss=cfg.kind, lr=cfg.lr, lr_warmup_steps=cfg.warmup_steps,
                       token_budget=max(plan.token_budget, longest), num_steps=cfg.ttt_steps,
-                      device=plan.device)
+                      device=plan.device, compute_dtype=plan.compute_dtype)
     job = MemberJob(spill_dir=work_dir / "capture", work_dir=work_dir, drafter=drafter.detached(),
                     head=head, spot=spot, steps=cfg.steps, save_every=plan.save_every)
     _check_member_fits(drafter, spot, plan, work_dir / "capture")

@@ -43,7 +43,9 @@ class SpotConfig:
     (0: ``lr`` from the first). The trainer starts from a converged drafter with a fresh
     AdamW, whose first updates move every weight by about ``lr`` whatever its gradient
     (``m / sqrt(v)`` of one gradient is its sign): at full ``lr`` that step costs the
-    warmed-up drafter acceptance before the new data can pay for it."""
+    warmed-up drafter acceptance before the new data can pay for it.
+    compute_dtype: the forward and backward's dtype (float32, or bfloat16 under autocast: the
+    drafter's masters, its gradients and AdamW stay fp32; the loss's softmaxes run in fp32)."""
 
     loss: str = "eagle1"
     lr: float = 3e-4
@@ -52,8 +54,12 @@ class SpotConfig:
     grad_clip: float = 1.0
     num_steps: int | None = None
     device: str = "cpu"
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise FastdraftError(f"drafter training compute dtype must be float32 or bfloat16, "
+                                 f"got {self.compute_dtype!r}")
         if self.lr <= 0 or self.token_budget < 2 or self.grad_clip <= 0:
             raise FastdraftError("drafter online training: lr and grad_clip must be > 0 and "
                                  "token_budget >= 2")
@@ -212,8 +218,10 @@ class SpotTrainer:
             if packed is not None:
                 batch = draft_batch(packed, self.dtype).to(self.device)
                 options = {} if self.cfg.num_steps is None else {"num_steps": self.cfg.num_steps}
-                loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
-                                                     self.head.lm_head, **options)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.cfg.compute_dtype == "bfloat16"):
+                    loss, metrics = compute_drafter_loss(self.cfg.loss, self.drafter, batch,
+                                                         self.head.lm_head, **options)
                 loss.backward()
                 tokens = int(packed.loss_mask.sum())
             if reduce is not None and not reduce(self.trainable(), tokens):

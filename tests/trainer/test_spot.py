@@ -142,6 +142,31 @@ def test_an_fp32_drafter_trains_on_a_bf16_served_policy(tiny_checkpoint):
     assert torch.isfinite(torch.tensor(trainer.stats.last["loss"]))
 
 
+def test_bf16_compute_keeps_fp32_masters_and_the_loss_of_fp32_within_bf16(tiny_checkpoint):
+    """compute_dtype=bfloat16: the forward and backward under autocast, the masters, their
+    gradients and AdamW in fp32; the first step's loss is fp32's within bf16's precision, and
+    not bit for bit (the matmuls really ran in bf16)."""
+    policy, drafter = _setup(tiny_checkpoint)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        buffer = DataBuffer(2**24, seed=0)
+        for s in _samples(policy, 8):
+            buffer.add(s)
+        torch.manual_seed(0)
+        trainer = SpotTrainer(drafter, PolicyHead.of(policy), buffer,
+                              SpotConfig(token_budget=64, compute_dtype=dtype))
+        assert trainer.step()
+        losses[dtype] = trainer.stats.last["loss"]
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+                   for p in trainer.drafter.parameters() if p.grad is not None)
+        assert all(v.dtype == torch.float32 for st in trainer.optimizer.state.values()
+                   for v in st.values() if torch.is_tensor(v) and v.dim())
+    assert losses["bfloat16"] != losses["float32"]
+    assert abs(losses["bfloat16"] - losses["float32"]) < 0.02 * abs(losses["float32"])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):   # a FastdraftError
+        SpotConfig(compute_dtype="float16")
+
+
 def test_the_learning_rate_warms_up_over_micro_steps_and_a_resumed_trainer_keeps_the_ramp(
         tiny_checkpoint):
     """A fresh AdamW's first step moves every weight by ~lr (one gradient's m / sqrt(v) is its
