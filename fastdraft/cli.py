@@ -114,6 +114,9 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
                    help="draft over the N most frequent answer tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="rollout and training seed")
     p.add_argument("--prompt-key", default="prompt", help="--prompts: the prompt column")
+    p.add_argument("--recipe", type=Path, default=None,
+                   help="the prompts of this recipe's data, tokenized as its run does (and its "
+                        "policy, without --policy)")
     p.add_argument("--device", default="cpu",
                    help="where the engine generates and captures and the drafter trains "
                         "(cpu, cuda, cuda:N)")
@@ -140,7 +143,16 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
 def run_drafter_cmd(args: argparse.Namespace) -> int:
     from fastdraft.demo import default_drafter_dir, prompt_ids, resolve_model
     from fastdraft.drafter.warmup import WarmupConfig
-    policy = resolve_model(args.policy, args.cache_dir, flag="--policy")
+    recipe = None
+    if args.recipe is not None:
+        from fastdraft.config import load_recipe
+        from fastdraft.errors import FastdraftError
+        from fastdraft.run.inputs import resolve_policy
+        if args.prompts is not None:
+            raise FastdraftError("--prompts and --recipe both name the prompts: give one")
+        recipe = load_recipe(args.recipe)
+    policy = (resolve_policy(recipe, args.cache_dir) if recipe is not None and args.policy is None
+              else resolve_model(args.policy, args.cache_dir, flag="--policy"))
     if args.action == "import":
         return _import_drafter(args.source, policy, args.out)
     out = args.out or default_drafter_dir(policy, args.kind)
@@ -148,8 +160,12 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
              "draft_vocab": args.draft_vocab}
     cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
                        **{k: v for k, v in given.items() if v is not None})
-    prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed, heldout=False,
-                         prompt_key=args.prompt_key)
+    if recipe is not None:
+        from fastdraft.run.inputs import recipe_prompts
+        prompts = recipe_prompts(recipe, policy, cfg.num_rollouts)
+    else:
+        prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed,
+                             heldout=False, prompt_key=args.prompt_key)
     report = _device_warmup(args, policy, out, prompts, cfg)
     capture_rate = report.captured_tokens / max(report.rollout_seconds, 1e-9)
     train_rate = report.train_tokens / max(report.train_seconds, 1e-9)
@@ -185,13 +201,9 @@ def _import_drafter(source: Path | None, policy: Path, out: Path | None) -> int:
     if source is None or out is None:
         raise FastdraftError("drafter import needs --source DIR (the engine directory) and --out "
                              "DIR (where the fastdraft drafter goes)")
-    layout = engine_layout(source)
-    if layout is None:
-        raise FileNotFoundError(f"--source {source}: no config.json of an engine drafter there "
-                                "(a SpecForge/SGLang or speculators directory)")
     import_drafter(source, policy, out)
-    print(f"drafter: {out} (imported from the {layout} layout at {source}); run with "
-          f"drafter.path={out}")
+    print(f"drafter: {out} (imported from the {engine_layout(source)} layout at {source}); run "
+          f"with drafter.path={out}")
     return 0
 
 

@@ -67,7 +67,8 @@ def read_engine_drafter(path: str | Path, policy: ModelConfig) -> EngineDrafter:
     path = Path(path)
     layout = engine_layout(path)
     if layout is None:
-        raise FileNotFoundError(f"{path}: no config.json of an engine drafter there")
+        raise FileNotFoundError(f"{path}: no config.json of an engine drafter there (a "
+                                "SpecForge/SGLang or speculators directory)")
     if (path / SUMS_FILE).is_file():
         check_sums(path)
     config = json.loads((path / CONFIG_FILE).read_text())

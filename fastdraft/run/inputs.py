@@ -165,6 +165,20 @@ def _default_import_dir(source: Path) -> Path:
     return default_cache_dir() / "imported-drafters" / key
 
 
+def recipe_prompts(cfg: RunConfig, policy_dir: Path, n: int) -> list[list[int]]:
+    """n of the recipe's prompts as its run tokenizes them (data.task or data.path with its
+    prompt_key and add_special_tokens): the drafter warm-up's `--recipe`."""
+    from fastdraft.data.prompts import PromptSource
+    rows = None
+    if cfg.data.path is not None:
+        from fastdraft.data.files import load_prompts
+        rows = load_prompts(Path(cfg.data.path).expanduser(), cfg.data.prompt_key,
+                            cfg.data.answer_key)
+    tokenizer = load_tokenizer(policy_dir, "model.path" if cfg.model.path else "the policy")
+    max_len = rollout_seq_len(cfg) - cfg.rollout.max_new_tokens
+    return [item.ids for item in PromptSource(cfg.data, tokenizer, max_len, rows).batch(0, n)]
+
+
 def rollout_seq_len(cfg: RunConfig) -> int:
     """rollout.max_seq_len, or the longest prompt a task draws (over many samples) + the
     answer budget."""

@@ -124,3 +124,26 @@ def test_a_member_that_does_not_fit_its_device_is_refused_before_training(char_p
         device_warmup(char_policy, tmp_path / "drafter", _prompts(8, seed=1), CFG,
                       DevicePlan(token_budget=100_000_000), tmp_path / "work", progress=False)
     assert not (tmp_path / "drafter").exists()
+
+
+def test_the_warmup_takes_the_recipes_prompts_as_its_run_tokenizes_them(char_policy, tmp_path,
+                                                                         capsys):
+    from fastdraft.cli import main
+    from fastdraft.config import load_recipe
+    from fastdraft.run.inputs import recipe_prompts
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: r\nmodel:\n  path: {char_policy}\ndata:\n  task: modsum\n"
+                      "  seed: 3\nrollout:\n  max_new_tokens: 16\n")
+    prompts = recipe_prompts(load_recipe(recipe), char_policy, 8)
+    from fastdraft.data.prompts import PromptSource
+    from fastdraft.run.inputs import load_tokenizer
+    cfg = load_recipe(recipe)
+    want = PromptSource(cfg.data, load_tokenizer(char_policy, "model.path"), 10**6).batch(0, 8)
+    assert prompts == [it.ids for it in want] and len(set(map(tuple, prompts))) > 1
+    out = tmp_path / "drafter"
+    assert main(["drafter", "warmup", "--recipe", str(recipe), "--kind", "eagle3",
+                 "--num-rollouts", "8", "--steps", "60", "--out", str(out)]) == 0
+    assert "8 rollouts" in capsys.readouterr().out and (out / "drafter_config.json").is_file()
+    assert main(["drafter", "warmup", "--recipe", str(recipe), "--prompts", str(recipe),
+                 "--out", str(out)]) == 2
+    assert "--prompts and --recipe both name the prompts" in capsys.readouterr().err
