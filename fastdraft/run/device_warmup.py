@@ -81,7 +81,6 @@ def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg
     trainer = _train(job, plan, progress)
     train_s = time.perf_counter() - start
     trained = trainer.drafter.to("cpu", torch.float32)
-    trained.draft_token_ids = drafter.draft_token_ids
     save_drafter(trained, out_dir, extra={"warmup": asdict(cfg), "warmup_device": plan.device,
                                           "warmup_workers": plan.workers})
     stats = trainer.stats
