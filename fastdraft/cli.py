@@ -121,8 +121,8 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
                    help="where the engine generates and captures and the drafter trains "
                         "(cpu, cuda, cuda:N)")
     p.add_argument("--workers", type=int, default=1,
-                   help="data-parallel training members (Ray actors besides this process; "
-                        "CPU only so far)")
+                   help="data-parallel members, each serving its share of the rollouts and "
+                        "training (this process and Ray actors; on cuda a GPU each)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the training forward/backward (fp32 masters either way; default: "
                         "bfloat16 on cuda, float32 on the CPU)")

@@ -3,8 +3,10 @@ rollout engine (paged KV, graphs on a GPU), their hidden states captured there a
 finishes (trainer/collector.py) and written to a spill directory (databuffer/spill.py) one chunk
 of prompts at a time. The policy's forward runs once per rollout, inside generation; the
 trainer reads the stored states (the CPU warm-up ran the whole policy again at every training
-step). A killed capture resumes after its last written chunk: chunk c is sampled with seed
-`seed + c`, so the rollouts do not depend on where it stopped."""
+step). Data-parallel members each serve chunks r, r + world, ... A killed capture resumes after
+its last written chunk. Prompt i is sampled with seed `seed + i` whichever chunk holds it, so
+the rollouts depend neither on where a capture stopped nor on how the prompts were chunked
+and shared among members."""
 
 from __future__ import annotations
 
@@ -32,30 +34,35 @@ class CaptureReport:
 
 
 def capture_rollouts(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams,
-                     out_dir: str | Path, chunk: int = 64, progress=None) -> CaptureReport:
-    """Generates every prompt's rollout with `engine` (which must capture the aux layers the
-    drafter reads: capture_aux_layers) and spills each chunk of `chunk` prompts' samples to
-    out_dir. progress: a tqdm-like object updated by prompts done (optional)."""
+                     out_dir: str | Path, chunk: int = 64, member: tuple[int, int] = (0, 1),
+                     progress=None) -> CaptureReport:
+    """Generates the rollouts of member (rank, world)'s chunks of `chunk` prompts with `engine`
+    (which must capture the aux layers the drafter reads: capture_aux_layers) and spills each
+    chunk's samples to out_dir. progress: a tqdm-like object updated by prompts done."""
     out_dir = Path(out_dir)
     store = SpillStore(out_dir)
-    expected = {"num_prompts": len(prompts), "chunk": chunk, "seed": params.seed}
+    rank, world = member
+    expected = {"num_prompts": len(prompts), "chunk": chunk, "seed": params.seed,
+                "member": rank, "members": world}
     done = _chunks_done(out_dir, expected)
     tokens = 0
     start = time.perf_counter()
-    for c, first in enumerate(range(0, len(prompts), chunk)):
+    mine = list(range(0, len(prompts), chunk))[rank::world]
+    for i, first in enumerate(mine):
+        c = first // chunk
         batch = prompts[first: first + chunk]
-        if c < done:
+        if i < done:
             if progress is not None:
                 progress.update(len(batch))
             continue
         buffer = DataBuffer(2**62)   # one chunk at a time: it is written out below
         collector = SampleCollector(buffer)
         collector.start_step(c)   # sample keys (chunk, request) stay distinct across chunks
-        engine.generate(batch, replace(params, seed=params.seed + c), on_finish=collector.on_finish,
-                        on_hidden=collector, use_tqdm=False)
+        engine.generate(batch, replace(params, seed=params.seed + first),
+                        on_finish=collector.on_finish, on_hidden=collector, use_tqdm=False)
         chunk_samples = buffer.samples()
         store.write([(s, c) for s in chunk_samples], step=c)
-        atomic_write_text(out_dir / PROGRESS_FILE, json.dumps({**expected, "chunks": c + 1}))
+        atomic_write_text(out_dir / PROGRESS_FILE, json.dumps({**expected, "chunks": i + 1}))
         tokens += sum(s.num_tokens for s in chunk_samples)
         if progress is not None:
             progress.update(len(batch))

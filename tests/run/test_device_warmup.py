@@ -1,5 +1,6 @@
-"""`fastdraft drafter warmup` on the devices: the engine captures the rollouts' hidden states,
-one or two data-parallel members train on them and reach the same held-out accept length; a
+"""`fastdraft drafter warmup` on the devices: one or two data-parallel members serve the
+rollouts with the engine and capture their hidden states (the same rollouts either way), train
+on them and reach the same held-out accept length; on GPUs each member gets a GPU of its own; a
 warm-up killed mid-training resumes from its last saved state without capturing again; the
 progress bar shows tokens/s and the ETA."""
 
@@ -15,6 +16,7 @@ import time
 import pytest
 import torch
 
+from fastdraft.databuffer.spill import load_spill
 from fastdraft.drafter import build_drafter, load_drafter
 from fastdraft.drafter.acceptance import expected_accept
 from fastdraft.drafter.warmup import WarmupConfig
@@ -64,6 +66,10 @@ def test_one_and_two_members_warm_up_drafters_that_accept_alike(char_policy, tmp
         meta = json.loads((out / "drafter_config.json").read_text())
         assert meta["warmup_workers"] == workers and meta["warmup_device"] == "cpu"
         accepts[workers] = _held_out_accept(char_policy, out)
+    # the members shared the rollouts: two served the same ones as one, each its own chunks
+    captured = {w: [sorted(tuple(s.token_ids.tolist()) for s in load_spill(
+        tmp_path / f"work-{w}" / f"capture-{r}")) for r in range(w)] for w in (1, 2)}
+    assert all(captured[2]) and sorted(captured[2][0] + captured[2][1]) == captured[1][0]
     untrained = _held_out_accept(char_policy, None)
     print(f"held-out expected accept length: 1 member {accepts[1]:.3f}, 2 members "
           f"{accepts[2]:.3f}, untrained {untrained:.3f}")
@@ -92,7 +98,7 @@ def test_a_killed_warmup_resumes_where_it_saved(char_policy, tmp_path):
     assert "drafter warm-up" in stderr and "tok_s=" in stderr and "<" in stderr
     killed = torch.load(state, weights_only=False)
     saved = killed["steps"]
-    shards = {p: p.stat().st_mtime_ns for p in (work / "capture").glob("shard-*")}
+    shards = {p: p.stat().st_mtime_ns for p in (work / "capture-0").glob("shard-*")}
     assert 0 < saved < 400 and shards
 
     from fastdraft.demo import prompt_ids
@@ -113,7 +119,7 @@ def test_a_killed_warmup_resumes_where_it_saved(char_policy, tmp_path):
     # and on from there, the captured rollouts read, not made again
     report = resume(saved + 10)
     assert torch.load(state, weights_only=False)["steps"] == saved + 10
-    assert {p: p.stat().st_mtime_ns for p in (work / "capture").glob("shard-*")} == shards
+    assert {p: p.stat().st_mtime_ns for p in (work / "capture-0").glob("shard-*")} == shards
     assert report.train_tokens > 0
 
 

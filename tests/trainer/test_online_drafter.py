@@ -150,16 +150,18 @@ def test_the_health_check_keeps_only_its_window(char_policy, char_drafter):
 
 def test_an_eagle3_drafter_trains_online_in_an_rl_run(char_policy, char_eagle3, tmp_path):
     """The engine captures the aux layers the trainer's EAGLE-3 drafter reads, the online loss
-    follows the drafter's kind, and the drafter's version rises every step."""
+    follows the drafter's kind, and the drafter's version rises every step (its trainer
+    computing in bf16 over fp32 masters, as on a GPU)."""
     run = Run(_cfg(char_policy, "rollout.spec.method=eagle", f"drafter.path={char_eagle3}",
                    "drafter.online.enabled=true", "drafter.online.token_budget=64",
+                   "drafter.online.compute_dtype=bfloat16",
                    "drafter.online.tail_fraction=1.0", "algorithm.num_steps=3",
                    "drafter.online.min_steps_per_step=2", "drafter.export=false"),
               tmp_path / "run")
     try:
         aux = run.engine.model_drafter.aux_layers
         assert len(aux) == 3 and run.engine.capture_aux_layers == aux
-        assert run.drafter.loss == "eagle3"
+        assert run.drafter.loss == "eagle3" and run.drafter.spot.compute_dtype == "bfloat16"
         versions = []
         for step in range(3):
             metrics = train_step(run, step)
@@ -221,6 +223,12 @@ def test_the_online_loss_and_device_follow_the_drafter_and_the_policy(char_polic
     online = online_drafter(OnlineDrafterConfig(enabled=True, lr=2e-4, lr_warmup_steps=24), engine)
     online.close()
     assert (online.spot.lr, online.spot.lr_warmup_steps) == (2e-4, 24)   # the recipe's ramp
+    assert online.spot.compute_dtype == "float32"   # on a CPU by default; bf16 on a GPU
+    online = online_drafter(OnlineDrafterConfig(enabled=True, compute_dtype="bfloat16"), engine)
+    online.close()
+    assert online.spot.compute_dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"compute_dtype must be float32, bfloat16 or null"):
+        OnlineDrafterConfig(enabled=True, compute_dtype="float16")
     if not torch.cuda.is_available():   # never a silent fallback to the host's cores
         with pytest.raises(ValueError, match="no CUDA device"):
             online_drafter(OnlineDrafterConfig(enabled=True, device="cuda"), engine)

@@ -41,6 +41,9 @@ class OnlineDrafterConfig:
     Where and within what it trains:
     device: the trainer process's device (cpu, cuda, cuda:N); None: the policy's model.device,
     so on a GPU node the drafter trains on the GPU (its own process and CUDA context).
+    compute_dtype: the trainer's forward and backward, float32 or bfloat16 (under autocast;
+    the masters and AdamW stay fp32 either way); None: bfloat16 where it trains on a GPU,
+    float32 on a CPU.
     max_sample_tokens: a finished rollout longer than this is cut into windows of at most this
     many tokens (contiguous positions, each a DataBuffer sample of its own) instead of being
     refused or trained on its first tokens only; None: token_budget (at most token_budget).
@@ -79,6 +82,7 @@ class OnlineDrafterConfig:
     refresh_drop: float = 0.3
     holdout_every: int = 0
     device: str | None = None
+    compute_dtype: str | None = None
     max_sample_tokens: int | None = None
     window_context: int | None = None
     inflight_mb: float = 4096.0
@@ -109,6 +113,9 @@ class OnlineDrafterConfig:
         _require(self.device is None or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"drafter.online.device must be cpu, cuda, cuda:N or null (the policy's "
                  f"model.device), got {self.device!r}")
+        _require(self.compute_dtype in (None, "float32", "bfloat16"),
+                 f"drafter.online.compute_dtype must be float32, bfloat16 or null (bfloat16 on "
+                 f"a GPU, float32 on a CPU), got {self.compute_dtype!r}")
         _require(self.max_sample_tokens is None
                  or 2 <= self.max_sample_tokens <= self.token_budget,
                  f"drafter.online.max_sample_tokens must be in [2, token_budget="
