@@ -9,15 +9,20 @@ Per rank (ActorPlan), for FSDP2 over num_ranks ranks (actor/sharding.py):
   with its unsharded gradient; a decoder layer and the prefetched next one; one layer's fp32
   gradient for the reduce-scatter); the activations autograd saves over one micro-batch
   (per layer and token, as measured in the tests: the norms' fp32 input and normed output,
-  QK-norm's, q/k/v and the attention output, the MLP's gate, up, their SiLU and product); the logits
-  [tokens, vocab]: in compute dtype (kept for the gate's statistics) and the fp32 logits / T
-  the loss saves, then either the backward's three fp32 temporaries (exp, the gradient, its
-  scatter) or the reference's forward (its gathered root and layers, its logits and their fp32
-  copies), whichever is larger: the reference runs after the forward, before the backward;
+  QK-norm's, q/k/v and the attention output, the MLP's gate, up, their SiLU and product; the
+  answer positions' final hidden states and log-sum-exps the chunked head keeps); the logits
+  of one chunk of answer tokens (actor.logits_chunk_tokens, algo/answer_scores.py), never a
+  micro-batch's: in the forward a chunk's logits in compute dtype and fp32 / T, and the gate's
+  statistics' temporaries (sub-chunks of algo/token_stats.CHUNK_BYTES); then either the
+  backward's (a chunk's logits again, fp32 / T, turned into their gradient in place, and its
+  compute-dtype copy; the head's gradient is the root's, counted in `gathered`) or the
+  reference's forward (its gathered root and
+  layers, a chunk's logits), whichever is larger: the reference runs before the backward;
 - the weight push (and a checkpoint's gather): every rank all-gathers one full fp32 parameter
   at a time (the largest: the embedding); gradients are freed by then.
-A micro-batch holds micro_batch_tokens tokens, or one whole row when a row is longer
-(algo/sequences.py): tokens = max(micro_batch_tokens, the longest sequence).
+A micro-batch holds micro_batch_tokens tokens (real ones when packed, else rows x the longest),
+or one whole row when a row is longer (algo/sequences.py): tokens = max(micro_batch_tokens,
+the longest sequence).
 Host (rank 0): a checkpoint gathers the full fp32 masters and both AdamW moments there (12
 bytes a parameter) and writes them in the background; loading reads the checkpoint in fp32 (4).
 Hybrid workers write sharded checkpoints instead (checkpoint/sharded.py): each its own shard,
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdraft.algo.token_stats import CHUNK_BYTES
 from fastdraft.engine.memory_plan import EnginePlan, largest_fitting
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
@@ -40,6 +46,14 @@ if TYPE_CHECKING:
     from fastdraft.config.sections import ActorConfig
 
 _FP32 = 4
+#: Per answer token, what the chunked head keeps for the backward besides its hidden state:
+#: the fp32 log-sum-exp, the target and the index_select / index_put indices (int64).
+_ANSWER_SAVED = _FP32 + 3 * 8
+#: The gate's statistics over a sub-chunk of CHUNK_BYTES logits: the most live at once
+#: (sort values and int64 order, softmax, cumsum, masks, log p, p, centred; measured with
+#: a dispatch mode in tests/actor/test_actor_memory_plan.py). A chunk's log-sum-exp makes one
+#: fp32 temporary of the chunk's size inside its kernel (no dispatch mode sees it).
+GATE_STATS_BYTES = 7 * CHUNK_BYTES
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_RANKS = 1024   # the most ranks a refusal suggests
 
@@ -53,6 +67,7 @@ class ActorShape:
     num_ranks: int
     compute_dtype: str
     micro_batch_tokens: int
+    logits_chunk_tokens: int = 4096
     max_seq_len: int = 0
     kl: bool = False
     checkpointing: bool = False
@@ -74,17 +89,19 @@ class ActorShape:
         shard = -(-self.num_params // ranks)
         gathered = (c * (2 * self.root_params + 2 * self.layer_params)
                     + _FP32 * self.layer_params) if self.sharded else 0
-        vocab_row = tokens * cfg.vocab_size
+        chunk_row = min(self.logits_chunk_tokens or tokens, tokens) * cfg.vocab_size
+        cast = c if c != _FP32 else 0   # a compute-dtype copy beside an fp32 one
         reference_forward = (c * (self.root_params + 2 * self.layer_params)
-                             + vocab_row * (c + 2 * _FP32)) if self.kl else 0
+                             + chunk_row * 2 * _FP32) if self.kl else 0
         return ActorPlan(
             shape=self, masters=_FP32 * shard, optimizer=2 * _FP32 * shard,
             reference=(c if self.sharded else _FP32) * shard if self.kl else 0,
             grads=_FP32 * shard, gathered=gathered,
             activations=tokens * (self._saved_per_token(c)
-                                  + (_FP32 + 2 * c) * cfg.hidden_size),   # + the final norm
-            logits=vocab_row * (c + _FP32),
-            logits_backward=max(vocab_row * 3 * _FP32, reference_forward),
+                                  + (_FP32 + 3 * c) * cfg.hidden_size    # + the final norm
+                                  + _ANSWER_SAVED),                      # + the head's
+            logits=chunk_row * _FP32 + max(chunk_row * _FP32, GATE_STATS_BYTES),
+            logits_backward=max(chunk_row * (_FP32 + cast), reference_forward),
             push=_FP32 * self.largest_param, host=3 * _FP32 * self.num_params)
 
 
@@ -139,7 +156,8 @@ class ActorPlan:
         return ActorShape(
             config=model_config, num_ranks=actor_cfg.num_ranks,
             compute_dtype=actor_cfg.compute_dtype,
-            micro_batch_tokens=actor_cfg.micro_batch_tokens, max_seq_len=max_seq_len,
+            micro_batch_tokens=actor_cfg.micro_batch_tokens,
+            logits_chunk_tokens=actor_cfg.logits_chunk_tokens, max_seq_len=max_seq_len,
             kl=kl_coef > 0, checkpointing=actor_cfg.activation_checkpointing, num_params=total,
             root_params=total - model_config.num_hidden_layers * layer, layer_params=layer,
             largest_param=max(p.numel() for p in params)).plan()
@@ -152,8 +170,8 @@ class ActorPlan:
     @property
     def transient(self) -> int:
         """The larger of an update's peak and a weight push's."""
-        update = (self.grads + self.gathered + self.activations + self.logits
-                  + self.logits_backward)
+        update = (self.grads + self.gathered + self.activations
+                  + max(self.logits, self.logits_backward))   # the forward's, then the backward's
         return max(update, self.push)
 
     @property

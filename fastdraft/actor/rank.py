@@ -34,10 +34,10 @@ from fastdraft.actor.sharding import (
     load_sharded,
     rank_device,
 )
-from fastdraft.algo.logprobs import logprobs_of, next_token_logits_and_hidden, token_logprobs
+from fastdraft.algo.answer_scores import AnswerScores, ScoreSpec
 from fastdraft.algo.objective import Algorithm
 from fastdraft.algo.sequences import SequenceBatch, empty_batch
-from fastdraft.algo.token_stats import TokenStats, token_stats
+from fastdraft.algo.token_stats import TokenStats
 from fastdraft.checkpoint.sharded import load_shards, save_shards
 from fastdraft.config.sections import ActorConfig, AlgorithmConfig
 from fastdraft.models import CausalLM
@@ -71,6 +71,12 @@ class ActorSpec:
         """One rank computing in fp32 runs the plain model; anything else is FSDP2."""
         return self.actor.num_ranks > 1 or self.actor.compute_dtype != "float32"
 
+    @property
+    def scores(self) -> ScoreSpec:
+        """How a forward scores the answer tokens (packed, chunked logits; the gate's filter)."""
+        return ScoreSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                         packed=self.actor.pack_sequences,
+                         chunk_tokens=self.actor.logits_chunk_tokens)
 
 
 
@@ -124,26 +130,23 @@ class ActorRank:
         its share of the *batch* loss whatever rank it landed on. Gradients accumulate.
         hidden_layers (not None): each real micro-batch's rows' hidden states too, final and
         the inputs of these layers (the online drafter's samples: actor/samples.py)."""
-        objective = self.algorithm.objective(None, self.reference, total=total)
+        objective = self.algorithm.objective(None, self._reference_logprobs(), total=total)
         results, metrics, hidden = [], {}, []
         for mb in micro:
             real = mb is not None
             mb = (mb if real else empty_batch()).to(self.device)
-            logits, states = next_token_logits_and_hidden(self.model, mb.input_ids,
-                                                          hidden_layers or ())
+            scores = AnswerScores(mb, self.spec.scores)
+            logprobs, stats, states = scores.forward(self.model, hidden_layers or (),
+                                                     stats=real)
             if real and hidden_layers is not None:
-                hidden.append(row_hidden(mb, states))
+                hidden.append(row_hidden(mb, states, scores.row_states))
             del states
-            logprobs = logprobs_of(logits, mb.input_ids, self.spec.temperature)
             loss, mb_metrics = objective(logprobs, mb)
             # FSDP averages gradients over ranks; the batch loss is the ranks' sum.
             loss = loss * self.world + 0.0 * logprobs.sum()   # empty: still a backward
             self.scaler.scale_loss(loss).backward()
             if real:   # what the lossless gate reads, from the forward the gradient uses
-                spec = self.spec
-                results.append(token_stats(logits.detach(), mb.input_ids[:, 1:],
-                                           spec.temperature, spec.top_p, spec.top_k,
-                                           mask=mb.mask))
+                results.append(stats)
                 for key, value in mb_metrics.items():
                     metrics[key] = metrics.get(key, 0.0) + value
         return results, metrics, hidden
@@ -167,6 +170,12 @@ class ActorRank:
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _reference_logprobs(self):
+        """The frozen reference's logprobs of a micro-batch (the KL term's), or None."""
+        if self.reference is None:
+            return None
+        return lambda mb: AnswerScores(mb, self.spec.scores).forward(self.reference)[0]
+
     @torch.no_grad()
     def hidden(self, micro: list[SequenceBatch | None], layers: tuple[int, ...]
                ) -> list[list[RowHidden]]:
@@ -174,10 +183,12 @@ class ActorRank:
         no gradient: the online drafter's samples of rows the update does not train on."""
         out = []
         for mb in micro:
-            ids = (mb if mb is not None else empty_batch()).input_ids.to(self.device)
-            _, states = next_token_logits_and_hidden(self.model, ids, layers)
+            scores = AnswerScores((mb if mb is not None else empty_batch()).to(self.device),
+                                  self.spec.scores)
+            _, states = self.model(scores.input_ids, scores.positions, attn=scores.attn,
+                                   aux_layers=layers, score=lambda final, weight: None)
             if mb is not None:
-                out.append(row_hidden(mb, states))
+                out.append(row_hidden(mb, states, scores.row_states))
         self._reshard()
         return out
 
@@ -193,8 +204,9 @@ class ActorRank:
     def logprobs(self, micro: list[SequenceBatch | None]) -> list[torch.Tensor]:
         out = []
         for mb in micro:
-            ids = (mb if mb is not None else empty_batch()).input_ids.to(self.device)
-            lp = token_logprobs(self.model, ids, self.spec.temperature).float().cpu()
+            scores = AnswerScores((mb if mb is not None else empty_batch()).to(self.device),
+                                  self.spec.scores)
+            lp = scores.forward(self.model)[0].cpu()
             if mb is not None:
                 out.append(lp)
         self._reshard()

@@ -13,6 +13,7 @@ only (batch shape, the actor's compute dtype). The rows the update leaves out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +35,15 @@ class RowHidden:
     aux: tuple[torch.Tensor, ...]
 
 
-def row_hidden(mb: SequenceBatch, hidden: HiddenStates) -> list[RowHidden]:
-    """A micro-batch's forward hidden states [b, L, H], cut to each row's own length."""
-    out = []
-    for i, length in enumerate(sequence_lengths(mb).tolist()):
-        def cut(t: torch.Tensor, i: int = i, n: int = length - 1) -> torch.Tensor:
-            return t[i, :n].detach().to("cpu", HIDDEN_DTYPE).clone()
-        out.append(RowHidden(cut(hidden.final), tuple(cut(a) for a in hidden.aux)))
-    return out
+def row_hidden(mb: SequenceBatch, hidden: HiddenStates,
+               row_states: Callable[[torch.Tensor, int], torch.Tensor]) -> list[RowHidden]:
+    """A micro-batch's forward hidden states cut to each row's own L - 1 positions;
+    row_states(tensor, row): that row's positions in the forward's layout (packed or padded:
+    algo/answer_scores.AnswerScores.row_states)."""
+    def cut(t: torch.Tensor, row: int) -> torch.Tensor:
+        return row_states(t, row).detach().to("cpu", HIDDEN_DTYPE).clone()
+    return [RowHidden(cut(hidden.final, i), tuple(cut(a, i) for a in hidden.aux))
+            for i in range(mb.input_ids.shape[0])]
 
 
 def actor_samples(batch: SequenceBatch, rows: dict[int, RowHidden], request_indices: list[int],

@@ -18,6 +18,7 @@ that is every micro-batch, the gradient is zero and the actor skips the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from fastdraft.algo.advantages import (
     compute_advantages,
     zero_variance_groups,
 )
-from fastdraft.algo.logprobs import Objective, token_logprobs
+from fastdraft.algo.logprobs import Objective
 from fastdraft.algo.policy_loss import (
     PolicyBatch,
     finite_sequences,
@@ -67,9 +68,11 @@ class Algorithm:
             weight = (~zero_variance_groups(r, group_size)).float().repeat_interleave(group_size)
         return adv.tolist(), weight.tolist()
 
-    def objective(self, batch: SequenceBatch | None, reference: torch.nn.Module | None,
+    def objective(self, batch: SequenceBatch | None,
+                  reference: Callable[[SequenceBatch], torch.Tensor] | None,
                   total: float | None = None) -> Objective:
-        """The loss of a micro-batch as its share of the batch loss. total: the whole batch's
+        """The loss of a micro-batch as its share of the batch loss. reference: the frozen
+        reference's logprobs of a micro-batch [b, L - 1] (the KL term's). total: the whole batch's
         `normaliser` (a rank that sees only some micro-batches is given it); None: `batch`'s.
         Metrics are shares too (they sum to the batch's over micro-batches), except
         actor/skipped_sequences, a count."""
@@ -83,7 +86,7 @@ class Algorithm:
             ref = None
             if reference is not None and self.cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref = token_logprobs(reference, mb.input_ids, self.temperature)
+                    ref = reference(mb)
             finite = finite_sequences(mb.mask, mb.advantages, logprobs, mb.old_logprobs, ref)
             skipped = float((~finite & mb.mask.any(dim=1)).sum())
             mask = mb.mask & finite.unsqueeze(1)   # a skipped sequence scores no token

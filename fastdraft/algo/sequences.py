@@ -81,19 +81,25 @@ def build_batch(prompts: list[list[int]], answers: list[list[int]],
     return SequenceBatch(ids, mask, old, torch.tensor(advantages, dtype=torch.float32), weight)
 
 
-def micro_batches(batch: SequenceBatch, max_tokens: int) -> list[torch.Tensor]:
-    """Row indices of micro-batches whose padded size (rows x longest row) stays within
-    max_tokens (a longer single row still gets its own micro-batch). Rows are grouped by length,
-    so padding is small."""
+def micro_batches(batch: SequenceBatch, max_tokens: int, packed: bool = False
+                  ) -> list[torch.Tensor]:
+    """Row indices of micro-batches within max_tokens: their padded size (rows x longest row),
+    or with `packed` (sequences end to end, algo/answer_scores.py) their real tokens; a longer
+    single row still gets its own micro-batch. Rows are grouped by length, so padding is
+    small."""
     lengths = _lengths(batch.mask) + 1
     order = torch.argsort(lengths, stable=True).tolist()
     groups: list[list[int]] = []
+    size = 0
     for row in order:
         longest = int(lengths[row])
-        if groups and (len(groups[-1]) + 1) * longest <= max_tokens:
+        grown = size + longest if packed else (len(groups[-1]) + 1) * longest if groups else 0
+        if groups and grown <= max_tokens:
             groups[-1].append(row)
+            size = grown
         else:
             groups.append([row])
+            size = longest
     return [torch.tensor(g) for g in groups]
 
 
@@ -104,14 +110,16 @@ def empty_batch() -> SequenceBatch:
                          torch.zeros(1, 1), torch.zeros(1), torch.zeros(1))
 
 
-def split_across_ranks(batch: SequenceBatch, max_tokens: int, num_ranks: int
-                       ) -> list[list[torch.Tensor | None]]:
+def split_across_ranks(batch: SequenceBatch, max_tokens: int, num_ranks: int,
+                       packed: bool = False) -> list[list[torch.Tensor | None]]:
     """The batch's micro-batches (`micro_batches`) dealt to ranks, largest first to the rank
-    with the fewest padded tokens so far; ranks with fewer micro-batches get None (an empty one,
-    `empty_batch`) until all have as many. Returns per rank its row-index tensors."""
-    groups = micro_batches(batch, max_tokens)
+    with the fewest tokens (padded, or real when packed) so far; ranks with fewer micro-batches
+    get None (an empty one, `empty_batch`) until all have as many. Returns per rank its
+    row-index tensors."""
+    groups = micro_batches(batch, max_tokens, packed)
     lengths = _lengths(batch.mask) + 1
-    cost = [len(g) * int(lengths[g].max()) for g in groups]
+    cost = [int(lengths[g].sum()) if packed else len(g) * int(lengths[g].max())
+            for g in groups]
     plan: list[list[torch.Tensor | None]] = [[] for _ in range(num_ranks)]
     load = [0] * num_ranks
     for i in sorted(range(len(groups)), key=lambda i: -cost[i]):

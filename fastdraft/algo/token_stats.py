@@ -82,21 +82,27 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     index = where.nonzero()                                                  # [M, 2]
     out = torch.zeros(4, batch, width)
     chunk = max(1, CHUNK_BYTES // (4 * vocab))
-    k = vocab if top_k < 0 else min(top_k, vocab)
-    filters = k < vocab or top_p < 1
     dev = logits.device
     for part in index.split(chunk):
         rows, cols = part[:, 0].to(dev), part[:, 1].to(dev)
         scaled = logits[rows, cols].float() / temperature                    # [n, V]
         target = targets.to(dev)[rows, cols].unsqueeze(-1)
-        logprob = scaled.gather(-1, target).squeeze(-1) - scaled.logsumexp(-1)
-        if filters:
-            n = scaled.shape[0]
-            scaled = filter_top_k_top_p(scaled, torch.full((n,), k, device=dev),
-                                        torch.full((n,), top_p, device=dev))
-        stats = _law_of(scaled.log_softmax(-1), target)
-        out[:, part[:, 0], part[:, 1]] = torch.stack([logprob, *stats]).cpu()
+        out[:, part[:, 0], part[:, 1]] = scaled_stats(scaled, target, top_p, top_k).cpu()
     return TokenStats(*out.unbind(0))
+
+
+@torch.no_grad()
+def scaled_stats(scaled: torch.Tensor, target: torch.Tensor, top_p: float = 1.0,
+                 top_k: int = -1) -> torch.Tensor:
+    """fp32 logits / T [n, V], target [n, 1] -> [4, n]: the
+    TokenStats fields (logprob, sample_logprob, entropy, variance) of these positions."""
+    n, vocab = scaled.shape
+    logprob = scaled.gather(-1, target).squeeze(-1) - scaled.logsumexp(-1)
+    k = vocab if top_k < 0 else min(top_k, vocab)
+    if k < vocab or top_p < 1:
+        scaled = filter_top_k_top_p(scaled, torch.full((n,), k, device=scaled.device),
+                                    torch.full((n,), top_p, device=scaled.device))
+    return torch.stack([logprob, *_law_of(scaled.log_softmax(-1), target)])
 
 
 def _law_of(log_p: torch.Tensor, target: torch.Tensor

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options, grouped by the benches that read them (`fastdraft bench --help`)."""
     p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
-                                     "cluster", "hybrid", "kv"],
+                                     "cluster", "hybrid", "kv", "update"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
                    help="recipe, drafter, rollout, cluster, hybrid, kv: RECIPE.yaml "
@@ -85,6 +85,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hybrid: hybrid workers vs one process vs colocated Ray ranks")
     g.add_argument("--workers", type=int, default=2,
                    help="hybrid: hybrid workers (and the colocated arm's rollout workers)")
+    g = p.add_argument_group("update: the actor's update, packed vs padded (--shape's vocabulary)")
+    g.add_argument("--long-tokens", type=int, default=3000,
+                   help="update: the long answer among --rows - 1 short ones (30-200 tokens)")
+    g.add_argument("--rows", type=int, default=16, help="update: answers in the batch")
+    g.add_argument("--micro-batch-tokens", type=int, default=8192,
+                   help="update: actor.micro_batch_tokens")
+    g.add_argument("--logits-chunk-tokens", type=int, default=4096,
+                   help="update: actor.logits_chunk_tokens of the chunked arms")
+    g.add_argument("--full-layers", action="store_true",
+                   help="update: --shape's own layers (default: 4 layers of width 256, what a "
+                        "CPU updates in seconds)")
     g = p.add_argument_group("kv: the paged KV cache's concurrency")
     g.add_argument("--trace", type=Path, default=None,
                    help="kv: a published answer-length trace for concurrency_ratio "
@@ -100,6 +111,8 @@ def run_bench(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
+    if args.which == "update":
+        return _bench_update(args)
     if args.which == "cluster" and args.simulate:
         from fastdraft.bench.projections import projection_lines, run_projections
         print("\n".join(projection_lines(run_projections(args.gpu_json, args.json))))
@@ -201,6 +214,22 @@ def _bench_gpu(args: argparse.Namespace, dtype: torch.dtype | None) -> int:
     if not torch.cuda.is_available():
         raise FastdraftError("bench gpu needs a CUDA GPU (none is visible to torch here)")
     run_gpu_bench(cfg, args.json, parts=tuple(args.parts.split(",")))
+    return 0
+
+
+def _bench_update(args: argparse.Namespace) -> int:
+    from fastdraft.bench.update_bench import UpdateBench, run_update_bench
+    if min(args.long_tokens, args.rows, args.micro_batch_tokens, args.repeats) < 1:
+        raise FastdraftError("--long-tokens, --rows, --micro-batch-tokens and --repeats must be "
+                             ">= 1")
+    narrow = {} if not args.full_layers else {"hidden": None, "layers": None}
+    cfg = UpdateBench(shape=args.shape, rows=args.rows, long_tokens=args.long_tokens,
+                      micro_batch_tokens=args.micro_batch_tokens,
+                      chunk_tokens=args.logits_chunk_tokens, repeats=args.repeats,
+                      device=args.device, **narrow,
+                      dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda")
+                                           else "float32"))
+    run_update_bench(cfg, args.json)
     return 0
 
 

@@ -110,6 +110,30 @@ class AttnMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedSeqs:
+    """A training forward (no KV cache) over sequences packed along T of one [1, N] row without
+    padding: sequence i is tokens bounds[i]:bounds[i + 1] (its positions restart at 0: the
+    caller's) and attends causally within itself only. Attention runs per run of equally long
+    neighbours (causal SDPA over [n, L] at once), so it costs sum L_i^2, never N^2, and no
+    [N, N] mask exists."""
+
+    bounds: tuple[int, ...]
+
+    def with_bias(self, dtype: torch.dtype) -> PackedSeqs:
+        return self
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(start, length, count): consecutive sequences of one length, attended together."""
+        out: list[tuple[int, int, int]] = []
+        for start, end in zip(self.bounds[:-1], self.bounds[1:]):
+            if out and out[-1][1] == end - start:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((start, end - start, 1))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class RowGroup:
     """Rows of one width inside a packed forward: `num_rows` rows of `width` tokens each, row
     b in cache slot kv.slot_start + b, attending as `attn` says ([num_rows, width, ctx_len])."""

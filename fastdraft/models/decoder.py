@@ -3,12 +3,13 @@ DecoderLayer) the drafter. Module tree and parameter names mirror HF's *ForCausa
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView
+from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView, PackedSeqs
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
 from fastdraft.models.rope import RotaryEmbedding
@@ -44,14 +45,19 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv: KVView | None = None, attn: AttnMeta | GroupedAttn | None = None, *,
-                logit_index: torch.Tensor | None = None,
-                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
+                kv: KVView | None = None,
+                attn: AttnMeta | GroupedAttn | PackedSeqs | None = None, *,
+                logit_index: torch.Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                score: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
+                ) -> tuple[Any, HiddenStates]:
         """input_ids, positions: [B, T] -> (logits, hidden).
 
         logit_index: [B, K] token indices whose logits are wanted (e.g. the last prompt token in
         prefill); default all T. hidden.final is always [B, T, H] so drafters can read any token.
         aux_layers: layer indices whose *inputs* are returned, in this order (EAGLE-3).
+        score: instead of the logits, score(final hidden [B, T, H], lm_head weight [V, H]) is
+        returned (the actor's chunked log-softmax, algo/answer_scores.py): inside this forward,
+        where a sharded model's head is gathered.
         """
         h = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, h.dtype)
@@ -63,6 +69,9 @@ class CausalLM(nn.Module):
                 captured[i] = h
             h = layer(h, rope, kv, attn)
         final = self.model.norm(h)
+        hidden = HiddenStates(final, tuple(captured[i] for i in aux_layers))
+        if score is not None:
+            return score(final, self.lm_head.weight), hidden
         picked = final if logit_index is None else torch.gather(
             final, 1, logit_index.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
-        return self.lm_head(picked), HiddenStates(final, tuple(captured[i] for i in aux_layers))
+        return self.lm_head(picked), hidden

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView
+from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView, PackedSeqs
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.packing import pack_linears
 from fastdraft.models.rope import RopeTable, rotate
@@ -67,13 +67,16 @@ class Attention(nn.Module):
         return rotate(q, rope), rotate(k, rope), v
 
     def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
-                attn: AttnMeta | GroupedAttn | None) -> torch.Tensor:
+                attn: AttnMeta | GroupedAttn | PackedSeqs | None) -> torch.Tensor:
         """x: [B, T, in_size], rope: cos/sin of the tokens' positions -> [B, T, hidden]
-        (GroupedAttn: B = 1, the groups' rows packed along T; each group brings its own KV)."""
+        (GroupedAttn: B = 1, the groups' rows packed along T; each group brings its own KV;
+        PackedSeqs: B = 1, training sequences packed along T)."""
         bsz, seq_len, _ = x.shape
         q, k, v = self._qkv(x, rope)
         if isinstance(attn, GroupedAttn):
             return self.o_proj(self._grouped(q, k, v, attn))
+        if isinstance(attn, PackedSeqs):
+            return self.o_proj(self._packed(q, k, v, attn))
         if kv is not None:
             assert attn is not None and attn.cache_positions is not None
             return self.o_proj(self._cached(q, k, v, kv, attn).reshape(bsz, seq_len, -1))
@@ -82,6 +85,19 @@ class Attention(nn.Module):
             attn_mask=None if attn is None else attn.sdpa_mask, is_causal=attn is None,
             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: PackedSeqs
+                ) -> torch.Tensor:
+        """q [1, N, Hq, D], k and v [1, N, Hkv, D] of packed sequences -> [1, N, Hq * D]."""
+        outs = []
+        for start, length, count in attn.runs():
+            end = start + length * count
+            q_, k_, v_ = (t[0, start:end].unflatten(0, (count, length)).transpose(1, 2)
+                          for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            outs.append(out.transpose(1, 2).reshape(1, length * count, -1))
+        return torch.cat(outs, 1)
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView,
                 attn: AttnMeta) -> torch.Tensor:
@@ -203,7 +219,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: RopeTable, kv: KVView | None,
-                attn: AttnMeta | GroupedAttn | None,
+                attn: AttnMeta | GroupedAttn | PackedSeqs | None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, attn_input_size]; residual defaults to x (differs when x is a concat)."""
         residual = x if residual is None else residual

@@ -100,3 +100,13 @@ def _meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
         name, _, value = line.partition(":")
         fields[name] = int(value.split()[0]) * 1024   # kB
     return fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", 0))
+
+
+def process_peak_bytes() -> int:
+    """This process's peak resident memory (Linux's VmHWM: its own, unlike getrusage's
+    ru_maxrss, which a process started from a large one inherits across fork and exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")

@@ -69,7 +69,8 @@ class Actor:
         the lossless gate checks them there; an exception from it discards the gradients on
         every rank and propagates. hidden_layers (not None): the result also holds every row's
         hidden states from those forwards (final, and the inputs of these layers)."""
-        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
+        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world,
+                                  self.spec.actor.pack_sequences)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
         total = self.algorithm.normaliser(batch)
@@ -116,7 +117,8 @@ class Actor:
                           ) -> Iterator[tuple[torch.Tensor, Any]]:
         """The batch's micro-batches spread over the ranks, `ActorRank.<command>(micro,
         *args)` on each (one answer per real micro-batch): (its row indices, its answer)."""
-        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world)
+        plan = split_across_ranks(batch, self.spec.actor.micro_batch_tokens, self.world,
+                                  self.spec.actor.pack_sequences)
         parts = [[None if rows is None else batch.rows(rows) for rows in micro]
                  for micro in plan]
         answers = self.ranks.call(command, [(part, *args) for part in parts])

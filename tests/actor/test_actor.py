@@ -72,13 +72,16 @@ def test_micro_batching_does_not_change_the_gradient(tiny_checkpoint):
     path, _ = tiny_checkpoint
     batch = synthetic_batch()
     moments = []
-    for budget in (10_000, 24):  # one micro-batch vs many
-        actor = Actor(spec(path, micro_batch_tokens=budget))
+    # one micro-batch vs many; packed (the default) and padded rows; logits in chunks of 4
+    for budget, packed, chunk in ((10_000, True, 4096), (24, True, 4), (24, False, 0)):
+        actor = Actor(spec(path, micro_batch_tokens=budget, pack_sequences=packed,
+                           logits_chunk_tokens=chunk))
         assert actor.update(batch).applied
         moments.append(first_moments(actor))
-    assert len(micro_batches(batch, 24)) > 3
-    for name, value in moments[0].items():
-        torch.testing.assert_close(moments[1][name], value, rtol=1e-4, atol=1e-7)
+    assert len(micro_batches(batch, 24)) > 3 and len(micro_batches(batch, 24, packed=True)) > 3
+    for other in moments[1:]:
+        for name, value in moments[0].items():
+            torch.testing.assert_close(other[name], value, rtol=1e-4, atol=1e-7)
 
 
 def test_the_ranks_share_the_micro_batches_and_pad_to_the_same_count():

@@ -39,13 +39,15 @@ def test_actor_plan_of_a_7b_shape_over_8_ranks():
     assert plan.host == 12 * params                                     # rank 0's snapshot
     assert plan.gathered == 2 * (2 * root + 2 * layer) + 4 * layer
     per_token_layer = 2 * 8 * h + 2 * (2 * q + 2 * kv) + 4 * 28 + 8 * inter
-    assert plan.activations == 2048 * (28 * per_token_layer + 8 * h)
-    assert plan.logits == 2048 * vocab * 6                               # bf16 + fp32 / T
-    reference_forward = 2 * (root + 2 * layer) + 2048 * vocab * 10
-    assert plan.logits_backward == max(2048 * vocab * 12, reference_forward)
+    # + the final norm and the chunked head's saved answer states (bf16) and lse / indices
+    assert plan.activations == 2048 * (28 * per_token_layer + 10 * h + 28)
+    chunk = 2048 * vocab   # logits_chunk_tokens 4096 > the micro-batch's 2048 tokens
+    assert plan.logits == chunk * 4 + max(chunk * 4, 7 * 64 * 2**20)   # fp32 / T, lse or gate
+    reference_forward = 2 * (root + 2 * layer) + chunk * 8
+    assert plan.logits_backward == max(chunk * (4 + 2), reference_forward)   # fp32, its bf16
     assert plan.push == 4 * vocab * h                                    # the largest parameter
     assert plan.per_rank_bytes == plan.state + plan.grads + plan.gathered + plan.activations \
-        + plan.logits + plan.logits_backward
+        + max(plan.logits, plan.logits_backward)
     # No KL: no reference; more ranks: smaller shards, the same activations.
     no_kl = ActorPlan.of(cfg, BF16_8_RANKS, kl_coef=0.0, max_seq_len=2048)
     assert no_kl.reference == 0 and no_kl.state == plan.state - plan.reference
@@ -185,5 +187,47 @@ def test_activation_checkpointing_keeps_one_layer_input_a_token_per_layer():
     per_token_layer = full.activations // 2048 // 28   # (roughly: the final norm aside)
     assert kept.activations == 2048 * (28 * 2 * 3584 + (2 * 8 * 3584 + 8 * 18944
                                        + 2 * (2 * 28 * 128 + 2 * 4 * 128) + 4 * 28)
-                                       + 8 * 3584)
+                                       + 10 * 3584 + 28)
     assert kept.activations * 10 < full.activations and per_token_layer > 0
+
+
+_PEAK = """
+import torch
+from fastdraft.actor.memory_plan import ActorPlan
+from fastdraft.algo.answer_scores import AnswerScores, ScoreSpec
+from fastdraft.algo.objective import Algorithm
+from fastdraft.algo.sequences import build_batch
+from fastdraft.config.sections import ActorConfig, AlgorithmConfig
+from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.utils.device_memory import process_peak_bytes
+torch.set_num_threads(1)
+cfg = ModelConfig.from_hf_dict(dict(model_type="qwen3", vocab_size=32000, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, tie_word_embeddings=False))
+model = CausalLM(cfg, 3100)
+answer = torch.randint(3, 32000, (3000,), generator=torch.Generator().manual_seed(1)).tolist()
+batch = build_batch([[5] * 8], [answer], [[-2.0] * 3000], [1.0])
+objective = Algorithm(AlgorithmConfig(), 1.0).objective(batch, None)
+before = process_peak_bytes()
+spec = ScoreSpec(temperature=1.0, chunk_tokens=1024, top_p=0.9)
+logprobs, _, _ = AnswerScores(batch, spec).forward(model, stats=True)
+objective(logprobs, batch)[0].backward()
+peak = process_peak_bytes() - before
+plan = ActorPlan.of(cfg, ActorConfig(micro_batch_tokens=3008, logits_chunk_tokens=1024), 0.0)
+print(peak, plan.grads + plan.activations + max(plan.logits, plan.logits_backward))
+"""
+
+
+def test_the_update_plan_is_within_a_fifth_of_the_measured_peak():
+    """One micro-batch of a 3000-token answer, a 32k vocabulary, logits in chunks of 1024 and
+    the gate's statistics (top_p 0.9): the process's peak resident memory over the update
+    against the plan's gradients + activations + the larger of the forward's and backward's
+    logits (the peak of a fresh process: its allocator returns large blocks to the system)."""
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    peak, planned = map(int, out.stdout.split())
+    print(f"measured peak {peak / 2**20:.0f} MB, planned {planned / 2**20:.0f} MB")
+    assert 0.8 * peak <= planned <= 1.2 * peak

@@ -13,7 +13,7 @@ import torch
 
 from fastdraft import RolloutEngine, SamplingParams, SpecConfig
 from fastdraft.actor.samples import actor_samples, row_hidden
-from fastdraft.algo.logprobs import next_token_logits_and_hidden
+from fastdraft.algo.answer_scores import AnswerScores, ScoreSpec
 from fastdraft.algo.sequences import build_batch
 from fastdraft.databuffer import DataBuffer
 from fastdraft.models import load_model
@@ -41,9 +41,10 @@ def test_the_actors_forward_gives_the_samples_the_engine_captures(tiny_checkpoin
                         [outs[i].token_ids for i in keep], [outs[i].logprobs for i in keep],
                         [0.0] * len(keep))
     policy = load_model(path)
+    scores = AnswerScores(batch, ScoreSpec(temperature=1.0))   # the actor's packed forward
     with torch.no_grad():
-        _, hidden = next_token_logits_and_hidden(policy, batch.input_ids, AUX)
-    rows = dict(enumerate(row_hidden(batch, hidden)))
+        _, _, hidden = scores.forward(policy, AUX)
+    rows = dict(enumerate(row_hidden(batch, hidden, scores.row_states)))
     rewards = [0.1 * i for i in range(len(outs))]
     samples = actor_samples(batch, rows, keep, [rewards[i] for i in keep], rl_step=3,
                             policy_version=7)

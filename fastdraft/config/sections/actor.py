@@ -19,7 +19,13 @@ class ActorConfig:
     budget or the number of ranks); updates_per_step optimizer steps per rollout, the LR
     schedule counting optimizer steps. activation_checkpointing: keep only each decoder
     layer's input for the backward and recompute the rest there (about a third more compute
-    for the update; the activations of a micro-batch shrink ~20x at a 7B shape)."""
+    for the update; the activations of a micro-batch shrink ~20x at a 7B shape).
+    pack_sequences: a micro-batch's sequences lie end to end without padding (attention
+    within each; micro_batch_tokens then counts real tokens), else right-padded rows grouped
+    by length. logits_chunk_tokens: answer tokens whose logits exist at once in the update,
+    the gate's statistics and the reference's logprobs (the backward makes them again; 0: a
+    whole micro-batch's at once); a prompt's logits are never made
+    (algo/answer_scores.py)."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -31,6 +37,8 @@ class ActorConfig:
     compute_dtype: str = "float32"
     num_ranks: int = 1
     activation_checkpointing: bool = False
+    pack_sequences: bool = True
+    logits_chunk_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "actor.lr must be > 0")
@@ -39,5 +47,7 @@ class ActorConfig:
         _require(self.compute_dtype in DTYPES, f"actor.compute_dtype must be one of {DTYPES}, "
                  f"got {self.compute_dtype!r}")
         _require(self.num_ranks >= 1, "actor.num_ranks must be >= 1")
+        _require(self.logits_chunk_tokens >= 0, "actor.logits_chunk_tokens must be >= 0 (0: a "
+                 f"micro-batch's logits at once), got {self.logits_chunk_tokens}")
 
 
