@@ -29,6 +29,7 @@ from fastdraft.algo.advantages import (
     zero_variance_groups,
 )
 from fastdraft.algo.logprobs import Objective
+from fastdraft.algo.overlong import shape_overlong
 from fastdraft.algo.policy_loss import (
     PolicyBatch,
     finite_sequences,
@@ -43,7 +44,7 @@ from fastdraft.errors import FastdraftError
 class Algorithm:
     def __init__(self, cfg: AlgorithmConfig, temperature: float,
                  max_tokens: int | None = None) -> None:
-        self.cfg, self.temperature = cfg, temperature
+        self.cfg, self.temperature, self.max_tokens = cfg, temperature, max_tokens
         takes = policy_loss_defaults(cfg.loss)
         # An unset option keeps the registered function's own default (clip_high 0.28 under
         # dapo, scale_std true under grpo); AlgorithmConfig refused options that do nothing.
@@ -58,14 +59,25 @@ class Algorithm:
         self.options = options
         self.adv_options = {} if cfg.scale_std is None else {"scale_std": cfg.scale_std}
 
-    def advantages(self, rewards: list[float], group_size: int
+    def advantages(self, rewards: list[float], group_size: int,
+                   lengths: list[int] | None = None, truncated: list[bool] | None = None
                    ) -> tuple[list[float], list[float]]:
-        """Per-sample advantages and sample weights (0 for groups skipped as zero-variance)."""
+        """Per-sample advantages and sample weights (0 for groups skipped as zero-variance,
+        and with algorithm.overlong_filter for answers cut at the budget). lengths / truncated:
+        each answer's tokens and whether the budget cut it (DAPO's overlong shaping,
+        algo/overlong.py; needed when the algorithm shapes)."""
+        cfg, kept = self.cfg, [1.0] * len(rewards)
+        if cfg.overlong_buffer or cfg.overlong_filter:
+            if lengths is None or truncated is None or self.max_tokens is None:
+                raise FastdraftError("overlong shaping needs the answers' lengths, whether "
+                                     "they were cut, and the budget (max_tokens)")
+            rewards, kept = shape_overlong(rewards, lengths, truncated, self.max_tokens,
+                                           cfg.overlong_buffer, cfg.overlong_filter)
         r = torch.tensor(rewards, dtype=torch.float32)
-        adv = compute_advantages(self.cfg.advantage, r, group_size, **self.adv_options)
-        weight = torch.ones_like(r)
-        if self.cfg.skip_zero_variance:
-            weight = (~zero_variance_groups(r, group_size)).float().repeat_interleave(group_size)
+        adv = compute_advantages(cfg.advantage, r, group_size, **self.adv_options)
+        weight = torch.tensor(kept)
+        if cfg.skip_zero_variance:
+            weight *= (~zero_variance_groups(r, group_size)).float().repeat_interleave(group_size)
         return adv.tolist(), weight.tolist()
 
     def objective(self, batch: SequenceBatch | None,

@@ -48,9 +48,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     rewards = [run.prompts.score(items[i // group], run.decode(c.token_ids))
                for i, c in enumerate(completions)]
     run.drafter.end_rollout(rewards)
-    advantages, weights = run.algorithm.advantages(rewards, group)
-    # Samples of skipped (zero-variance) groups carry no gradient: they leave the batch, so the
-    # update costs only what it learns from (DAPO's dynamic sampling, without the resampling).
+    advantages, weights = run.algorithm.advantages(
+        rewards, group, [len(c.token_ids) for c in completions],
+        [c.finish_reason == "length" for c in completions])
+    # Samples of skipped (zero-variance) groups, and with algorithm.overlong_filter answers cut
+    # at the budget, carry no gradient: they leave the batch, so the update costs only what it
+    # learns from (DAPO's dynamic sampling, without the resampling).
     keep = [i for i, w in enumerate(weights) if w > 0] or list(range(len(completions)))
     batch = build_batch([items[i // group].ids for i in keep],
                         [completions[i].token_ids for i in keep],

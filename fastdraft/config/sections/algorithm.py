@@ -68,7 +68,10 @@ class AlgorithmConfig:
     None: 0.28): DAPO's upper clip. kl_coef: k3 KL to the frozen initial policy.
     aggregation (token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None: the
     advantage's preset, else the loss's own default). skip_zero_variance drops groups whose
-    rewards are all equal (DAPO). gate: the lossless gate's limits (GateSection)."""
+    rewards are all equal (DAPO). overlong_filter: an answer cut at rollout.max_new_tokens
+    carries no gradient; overlong_buffer (0: off): DAPO's soft overlong punishment over the
+    last this many tokens of the budget (algo/overlong.py). gate: the lossless gate's limits
+    (GateSection)."""
 
     num_steps: int = 20
     advantage: str = "grpo"
@@ -79,6 +82,8 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     aggregation: str | None = None      # None: the advantage's preset or the loss's default
     skip_zero_variance: bool = False
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
     gate: GateSection = field(default_factory=GateSection)
 
     def __post_init__(self) -> None:
@@ -87,6 +92,8 @@ class AlgorithmConfig:
                  "and clip_eps in (0, 1)")
         _require(self.clip_high is None or self.clip_high >= 0,
                  "algorithm.clip_high must be >= 0")
+        _require(self.overlong_buffer >= 0, f"algorithm.overlong_buffer must be >= 0 (0: no "
+                 f"soft overlong punishment), got {self.overlong_buffer}")
         from fastdraft.algo.advantages import advantage_aggregation
         from fastdraft.algo.policy_loss import available_aggregations
         registries = _registries()

@@ -85,6 +85,10 @@ class RunConfig:
                  f"cluster.gpus_per_worker={self.cluster.gpus_per_worker} shares GPUs, and the "
                  f"rollout workers run on {worker_device}: set model.device=cuda (or "
                  "cluster.worker_device=cuda), or leave cluster.gpus_per_worker at 1")
+        _require(self.algorithm.overlong_buffer < self.rollout.max_new_tokens,
+                 f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} punishes the last "
+                 f"tokens of the answer budget: it must be < rollout.max_new_tokens="
+                 f"{self.rollout.max_new_tokens}")
         if self.rollout.backend == "vllm":
             self._check_vllm()
         method = self.rollout.spec.method
