@@ -57,11 +57,9 @@ class OnlineDrafter:
         self.loss = online_loss(cfg.loss, drafter.kind)
         self.start_trainer = start_trainer
         self.device = cfg.device or device or str(next(engine.model.parameters()).device)
-        on_gpu = self.device.startswith("cuda")
         self.spot = SpotConfig(loss=self.loss, lr=cfg.lr, lr_warmup_steps=cfg.lr_warmup_steps,
                                token_budget=cfg.token_budget,
-                               compute_dtype=cfg.compute_dtype or ("bfloat16" if on_gpu
-                                                                   else "float32"),
+                               compute_dtype=cfg.compute_dtype_on(self.device),
                                device=self.device)   # checked here: a bad device fails now
         self.spec = engine.spec   # what a re-probe switches back on after a fallback
         self.health = DrafterHealth()

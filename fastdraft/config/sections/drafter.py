@@ -136,6 +136,10 @@ class OnlineDrafterConfig:
                  "drafter.online: reply_timeout_s must be > 0, max_restarts and reprobe_every "
                  ">= 0")
 
+    def compute_dtype_on(self, device: str) -> str:
+        """compute_dtype, or its default on `device` (bfloat16 on a GPU, float32 on a CPU)."""
+        return self.compute_dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
     @property
     def window_tokens(self) -> int:
         """The longest DataBuffer sample (max_sample_tokens, or token_budget)."""
