@@ -41,6 +41,7 @@ from fastdraft.engine.memory_plan import (
     EnginePlan,
     check_engine_fits,
     plan_engine,
+    plan_in_memory,
 )
 from fastdraft.engine.migration import Handoff, Inbox, MigratedRequest
 from fastdraft.engine.model_runner import ModelRunner
@@ -79,13 +80,16 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                  capture_aux_layers: tuple[int, ...] = (),
                  tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
                  memory_reserve: int = 0, kv_block_size: int = KV_BLOCK_SIZE,
-                 kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
+                 kv_blocks: int | None = None, paged_attention: str = "gather",
+                 prefill_chunk_tokens: int = 0) -> None:
         """memory_reserve: bytes to leave free on the device for others sharing it (a run's
         actor rank 0: actor/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
         block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
         what static slots would hold, so no request ever waits for blocks); paged_attention:
         "gather" or "triton" (decode and verify steps read the blocks in place;
-        model_runner.py)."""
+        model_runner.py). prefill_chunk_tokens > 0: no prefill forward computes more tokens;
+        a longer prompt (or re-prefill) runs a chunk a step, decode steps between (0: one
+        forward per prefill batch, up to max_prefill_tokens and at least max_seq_len)."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
@@ -95,14 +99,16 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                            drafter=DrafterShape.read(drafter),
                            capture_aux_layers=capture_aux_layers,
                            max_prefill_tokens=max_prefill_tokens, graphs=graphs,
-                           kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                           kv_block_size=kv_block_size, kv_blocks=kv_blocks,
+                           prefill_chunk_tokens=prefill_chunk_tokens)
         check_engine_fits(plan, device, reserved=memory_reserve)
         model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    generation_eos(Path(model_path)), drafter, spec, compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
                    budget=budget, memory_plan=plan, kv_block_size=kv_block_size,
-                   kv_blocks=kv_blocks, paged_attention=paged_attention)
+                   kv_blocks=kv_blocks, paged_attention=paged_attention,
+                   prefill_chunk_tokens=prefill_chunk_tokens)
 
     @classmethod
     def from_model(cls, model: CausalLM, max_batch_size: int = 64, max_seq_len: int = 4096,
@@ -113,8 +119,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                    capture_aux_layers: tuple[int, ...] = (),
                    tuner: TunerConfig | None = None,
                    budget: BudgetConfig | None = None, kv_block_size: int = KV_BLOCK_SIZE,
-                   kv_blocks: int | None = None, paged_attention: str = "gather"
-                   ) -> RolloutEngine:
+                   kv_blocks: int | None = None, paged_attention: str = "gather",
+                   prefill_chunk_tokens: int = 0) -> RolloutEngine:
         """An engine over an in-memory model. The engine runs its own copy: packing q/k/v and
         gate/up for inference re-points those parameters at views of new matrices, so an
         optimizer holding the model's parameters would silently stop training them. Weights
@@ -135,7 +141,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         engine._init(model.eval(), max_batch_size, envelope, max_prefill_tokens, (), drafter,
                      spec, compile, graphs, buckets, proposer, capture_aux_layers, tuner,
                      budget, kv_block_size=kv_block_size, kv_blocks=kv_blocks,
-                     paged_attention=paged_attention)
+                     paged_attention=paged_attention, prefill_chunk_tokens=prefill_chunk_tokens)
         return engine
 
     def _init(self, model: CausalLM, max_batch_size: int, envelope: Envelope,
@@ -145,17 +151,21 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
               capture_aux_layers: tuple[int, ...] = (),
               tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
               memory_plan: EnginePlan | None = None, kv_block_size: int = KV_BLOCK_SIZE,
-              kv_blocks: int | None = None, paged_attention: str = "gather") -> None:
+              kv_blocks: int | None = None, paged_attention: str = "gather",
+              prefill_chunk_tokens: int = 0) -> None:
         if max_batch_size < 1:
             raise FastdraftError("max_batch_size must be >= 1")
+        if prefill_chunk_tokens < 0:
+            raise FastdraftError("prefill_chunk_tokens must be >= 0 (0: prefill in one forward)")
         # A prefill batch's equal prompts (a GRPO group) computed once (engine/prefix_share.py);
         # False only to measure what that saves (bench kv).
         self.share_prompts = True
         if memory_plan is None:   # an in-memory model (from_model): checked here, its weights
-            memory_plan = self._plan_in_memory(model, max_batch_size, envelope, drafter, spec,
-                                               proposer, capture_aux_layers,
-                                               max_prefill_tokens, graphs, kv_block_size,
-                                               kv_blocks)
+            memory_plan = plan_in_memory(
+                model, proposer, drafter, envelope=envelope, num_slots=max_batch_size,
+                spec=spec, capture_aux_layers=capture_aux_layers, graphs=graphs,
+                max_prefill_tokens=max_prefill_tokens, kv_block_size=kv_block_size,
+                kv_blocks=kv_blocks, prefill_chunk_tokens=prefill_chunk_tokens)
         self.memory_plan = memory_plan
         self.tuner = check_tuner(tuner, spec)
         self.budget = LengthBudget(budget) if budget is not None and spec.enabled else None
@@ -163,11 +173,15 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.config = model.config
         self.envelope = envelope
         self.max_batch_size, self.max_seq_len = max_batch_size, envelope.max_seq_len
-        self.max_prefill_tokens = max(max_prefill_tokens, envelope.max_seq_len)
+        # Chunked: every prefill forward within the chunk (a prompt over it is staged).
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_prefill_tokens = (prefill_chunk_tokens if prefill_chunk_tokens
+                                   else max(max_prefill_tokens, envelope.max_seq_len))
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(extra_eos)
         self.spec = spec
         self.runner = ModelRunner(model, envelope, max_batch_size, compile, kv_block_size,
-                                  kv_blocks, paged_attention)
+                                  kv_blocks, paged_attention, staging=prefill_chunk_tokens > 0)
+        self._staged_hidden: list[HiddenStates] = []   # the staged prompt's chunks so far
         self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
                                                             envelope, compile)
         # One set of aux layers per forward serves the proposer and the hidden-state capture.
@@ -193,26 +207,6 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.fallback_reason: str | None = None
         # What the last step ran, made, and how many of its rows verified a tree.
         self.last_arm, self.last_num_tokens, self.last_num_drafting = "prefill", 0, 0
-
-    @staticmethod
-    def _plan_in_memory(model: CausalLM, max_batch_size: int, envelope: Envelope,
-                        drafter: str | Path | None, spec: SpecConfig, proposer: Proposer | None,
-                        capture_aux_layers: tuple[int, ...], max_prefill_tokens: int,
-                        graphs: bool | None, kv_block_size: int,
-                        kv_blocks: int | None) -> EnginePlan:
-        """from_model's plan, checked with what is in memory already: the weights, and a given
-        proposer's drafter and caches."""
-        param = next(model.parameters())
-        plan = plan_engine(model.config, envelope=envelope, num_slots=max_batch_size,
-                           dtype=param.dtype, device=param.device, spec=spec,
-                           drafter=DrafterShape.read(drafter, proposer),
-                           capture_aux_layers=capture_aux_layers,
-                           max_prefill_tokens=max_prefill_tokens, graphs=graphs,
-                           kv_block_size=kv_block_size, kv_blocks=kv_blocks)
-        resident = plan.weights + (plan.drafter_weights + plan.drafter_kv
-                                   if proposer is not None else 0)
-        check_engine_fits(plan, param.device, resident=resident)
-        return plan
 
     # ----------------------------------------------------------------------------- public API
     @property
@@ -258,7 +252,9 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         if pages is not None:
             pages.reset()   # whatever a broken call left, no request holds now
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens,
-                              pages if pages is not None and pages.bounded else None)
+                              pages if pages is not None and pages.bounded else None,
+                              self.prefill_chunk_tokens)
+        self._staged_hidden = []   # whatever a broken call staged
         for request in requests:
             scheduler.add(request)
         self.last_stats, self.last_migrated = SpecStats(), []

@@ -37,6 +37,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,6 +106,19 @@ class EngineShape:
     graphs: bool = False
     kv_block_size: int = 0              # 0: static slots
     kv_blocks: int | None = None        # None: what static slots would hold
+    prefill_chunk_tokens: int = 0       # > 0: a staging slot, no prefill forward over this
+
+    @property
+    def kv_slots(self) -> int:
+        """Slots of cache: the batch's, and the staging slot of a chunked prefill."""
+        return self.num_slots + (1 if self.prefill_chunk_tokens else 0)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The most tokens one prefill forward computes."""
+        if self.prefill_chunk_tokens:
+            return self.prefill_chunk_tokens
+        return max(self.max_prefill_tokens, self.envelope.max_seq_len)
 
     @property
     def cell_bytes(self) -> int:
@@ -117,14 +131,14 @@ class EngineShape:
     def num_kv_blocks(self) -> int:
         if self.kv_blocks is not None:
             return self.kv_blocks
-        return self.num_slots * -(-self.envelope.cache_len // self.kv_block_size)
+        return self.kv_slots * -(-self.envelope.cache_len // self.kv_block_size)
 
     def _kv_cache(self) -> int:
         if not self.kv_block_size:
-            return self.num_slots * self.envelope.cache_len * self.cell_bytes
+            return self.kv_slots * self.envelope.cache_len * self.cell_bytes
         max_blocks = -(-self.envelope.cache_len // self.kv_block_size)
         return ((self.num_kv_blocks + 1) * self.kv_block_size * self.cell_bytes
-                + self.num_slots * max_blocks * _LONG)
+                + self.kv_slots * max_blocks * _LONG)
 
     def plan(self) -> EnginePlan:
         cfg, env, slots, width = self.config, self.envelope, self.num_slots, self.dtype.itemsize
@@ -167,7 +181,13 @@ class EngineShape:
         expanded = max(depth - 1, 0) * topk
         draft = (slots * vocab * _FP32 * ((1 + expanded) + expanded + nodes + (nodes + 1))
                  if self.drafts_on_device and nodes else 0)
-        prefill = max(self.max_prefill_tokens, env.max_seq_len) * act + slots * vocab * _FP32
+        # A prefill forward: its tokens' transients, its mask [tokens, context] (bool, and the
+        # additive copy SDPA makes), the logits; chunked, the staged prompt's hidden states.
+        tokens = self.prefill_tokens
+        prefill = (tokens * act + tokens * env.max_seq_len * (1 + width)
+                   + slots * vocab * _FP32)
+        if self.prefill_chunk_tokens:
+            prefill += env.max_seq_len * (1 + self.num_aux) * hidden * width
         captured = max(decode, verify if nodes else 0, draft)
         if self.graphs:   # the pool keeps the captured peak; eager prefill needs its own
             return {"graph_pool": captured + GRAPH_POOL_SLACK, "step_scratch": prefill}
@@ -253,7 +273,8 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                 dtype: torch.dtype, device: str | torch.device, spec: SpecConfig,
                 drafter: DrafterShape | None = None, capture_aux_layers: tuple[int, ...] = (),
                 max_prefill_tokens: int = 16384, graphs: bool | None = None,
-                kv_block_size: int = 0, kv_blocks: int | None = None) -> EnginePlan:
+                kv_block_size: int = 0, kv_blocks: int | None = None,
+                prefill_chunk_tokens: int = 0) -> EnginePlan:
     """The plan of RolloutEngine(...) with these settings; drafter: the EAGLE drafter's shape
     when spec drafts with one (None: no drafter memory is planned)."""
     device = str(torch.device(device))
@@ -276,7 +297,8 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                         drafts_on_device=eagle is not None, num_aux=len(aux),
                         max_prefill_tokens=max(max_prefill_tokens, envelope.max_seq_len),
                         graphs=device.startswith("cuda") if graphs is None else graphs,
-                        kv_block_size=kv_block_size, kv_blocks=kv_blocks)
+                        kv_block_size=kv_block_size, kv_blocks=kv_blocks,
+                        prefill_chunk_tokens=prefill_chunk_tokens)
     return shape.plan()
 
 
@@ -316,6 +338,20 @@ def check_engine_plan(plan: EnginePlan, capacity: Capacity, resident: int = 0) -
                              f"({gb(plan.weights)}): use a device with more memory or a smaller "
                              "model.dtype")
     raise FastdraftError(message + "Lower " + ", or ".join(fixes))
+
+
+def plan_in_memory(model: CausalLM, proposer: object, drafter: str | Path | None,
+                   **settings: Any) -> EnginePlan:
+    """The plan of an engine over an in-memory model (RolloutEngine.from_model; settings:
+    plan_engine's), checked with what is in memory already: the weights, and a given
+    proposer's drafter and caches."""
+    param = next(model.parameters())
+    plan = plan_engine(model.config, dtype=param.dtype, device=param.device,
+                       drafter=DrafterShape.read(drafter, proposer), **settings)
+    resident = plan.weights + (plan.drafter_weights + plan.drafter_kv
+                               if proposer is not None else 0)
+    check_engine_fits(plan, param.device, resident=resident)
+    return plan
 
 
 def check_engine_fits(plan: EnginePlan, device: str | torch.device, reserved: int = 0,

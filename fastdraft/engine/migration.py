@@ -200,7 +200,7 @@ class Handoff:
         first, so a tail cannot bounce between engines without moving): fewer than yield_below
         requests left (but some), and the caller agrees. should_yield is asked only then, at
         every such boundary until it says yes."""
-        left = len(scheduler.running) + len(scheduler.waiting)
+        left = len(scheduler.unfinished)
         return 0 < left < self.yield_below and self.should_yield()
 
     def finish(self, scheduler: Scheduler, proposer: Proposer) -> list[MigratedRequest]:
@@ -210,7 +210,7 @@ class Handoff:
         their partial answer, only a draft source)."""
         for request in scheduler.running:
             proposer.on_finish(request)
-        left = [MigratedRequest.of(r) for r in [*scheduler.running, *scheduler.waiting]]
+        left = [MigratedRequest.of(r) for r in scheduler.unfinished]
         if self.inbox is not None:
             left += self.inbox.close()
         return sorted(left, key=lambda m: m.index)

@@ -31,12 +31,14 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, envelope: Envelope, num_slots: int,
                  compile: bool = False, block_size: int = 0,
-                 num_blocks: int | None = None, paged_attention: str = "gather") -> None:
+                 num_blocks: int | None = None, paged_attention: str = "gather",
+                 staging: bool = False) -> None:
         """block_size > 0: the policy's KV in a paged pool of num_blocks blocks (None: as many
         as static slots would hold; engine/paged_kv.py); 0: every slot owns cache_len cells.
         paged_attention: how paged decode and verify steps attend: "gather" (each row's blocks
         copied into a padded context, then SDPA) or "triton" (kernels/triton_paged_attention.py
-        reads them in place)."""
+        reads them in place). staging: one slot more, past every batch bucket, where a prompt
+        prefilled in chunks builds its cache (prefill_staged) before it lands in its slots."""
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
         self.compiled = compile
@@ -44,6 +46,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.envelope = envelope
+        self.staging = num_slots if staging else None
+        num_slots += int(staging)
         self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
                               self.dtype, self.device) if block_size else None)
         self.paged_attention = paged_attention_of(paged_attention, block_size, cfg.head_dim)
@@ -83,18 +87,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slot_start: int,
-                aux_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, HiddenStates]:
+                aux_layers: tuple[int, ...] = (), rows: torch.Tensor | None = None,
+                start: int = 0) -> tuple[torch.Tensor, HiddenStates]:
         """Right-padded batched prefill of slots slot_start.. (paged: of table rows `rows`, if
         given) -> (last prompt token's logits [B, V], hidden states of every prompt token
         [B, T, H]). Padding writes junk K/V past each prompt's end, which decode overwrites
-        before anything reads it (paged: past a row's blocks, into the sink)."""
+        before anything reads it (paged: past a row's blocks, into the sink). start > 0: the
+        cells before it hold the prompts' first tokens already; positions start.. are computed
+        (a chunk), attending to them (the last token's logits: of prompts ending in the chunk)."""
         width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        ids = torch.zeros(len(prompts), width - start, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
-        last = torch.tensor([[len(p) - 1] for p in prompts], device=self.device)
+            ids[row, : len(prompt) - start] = torch.tensor(prompt[start:])
+        positions = torch.arange(start, width, device=self.device).expand(len(prompts), -1)
+        last = torch.tensor([[max(len(p) - 1 - start, 0)] for p in prompts], device=self.device)
         attn = causal_cache_meta(positions, width)
         logits, hidden = self.model(ids.to(self.device), positions,
                                     self.kv(slot_start, attn, rows), attn, logit_index=last,
@@ -122,6 +128,33 @@ class ModelRunner:
             self.kv_cache[:, :, slot_start:end, :, :width] = \
                 self.kv_cache[:, :, slot_start + rows, :, :width]
         return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
+
+    def prefill_staged(self, prompt: list[int], lo: int, hi: int,
+                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
+        """Positions lo..hi-1 of `prompt` into the staging slot (chunks in order, from 0) ->
+        (the logits of position hi - 1 [1, V], hidden states [1, hi - lo, H])."""
+        slot = self.staging
+        assert slot is not None, "the runner was built without a staging slot"
+        rows = None
+        if self.pages is not None:
+            if lo == 0:
+                self.pages.admit(slot, prompt)
+            rows = torch.tensor([slot], device=self.device)
+        return self.prefill([prompt[:hi]], slot, aux_layers, rows, start=lo)
+
+    def land_staged(self, num_rows: int, slot_start: int, num_cells: int) -> None:
+        """The staged prompt's cache (its first num_cells cells) becomes slots slot_start ..
+        slot_start + num_rows - 1's: paged, the first takes its blocks and the others share
+        them (copied on their first write); static slots copy the cells."""
+        slot = self.staging
+        assert slot is not None, "the runner was built without a staging slot"
+        if self.pages is not None:
+            self.pages.move([SlotMove(slot, slot_start, num_cells)])
+            for row in range(1, num_rows):
+                self.pages.fork(slot_start + row, slot_start)
+            return
+        self.kv_cache[:, :, slot_start: slot_start + num_rows, :, :num_cells] = \
+            self.kv_cache[:, :, slot: slot + 1, :, :num_cells]
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx_len: int,
                sees_all: bool = False, aux_layers: tuple[int, ...] = ()

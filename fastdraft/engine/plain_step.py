@@ -16,6 +16,7 @@ from fastdraft.engine.rng import Stream, uniform_keyed
 from fastdraft.engine.sampler import sample
 from fastdraft.engine.scheduler import ScheduledBatch, Scheduler
 from fastdraft.engine.step_io import SamplingMode
+from fastdraft.models import HiddenStates
 
 
 class PlainSteps:
@@ -25,13 +26,19 @@ class PlainSteps:
         """Prefills admitted requests and samples their first tokens. A resumed (migrated)
         request prefills all its tokens but the last and samples nothing: its last token is
         the root of its next step (engine/migration.py)."""
-        requests, start = batch.requests, batch.slot_start
-        resumed = [bool(r.output_token_ids) for r in requests]
-        self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
+        requests = batch.requests
         share = SharedPrefill.of([r.prefill_token_ids for r in requests], self.share_prompts)
-        logits, hidden = self.runner.prefill_shared(share, start, self.aux_layers)
+        if batch.chunk is None:
+            logits, hidden = self.runner.prefill_shared(share, batch.slot_start, self.aux_layers)
+            self.last_trace.prefill_computed += share.computed_tokens
+        else:
+            staged = self._prefill_chunk(share, batch)
+            if staged is None:
+                return []
+            logits, hidden = staged
         self.last_trace.prefill_tokens += share.rows_tokens
-        self.last_trace.prefill_computed += share.computed_tokens
+        start, resumed = batch.slot_start, [bool(r.output_token_ids) for r in requests]
+        self.io.sampling.admit(start, [r.params for r in requests], [r.seed for r in requests])
         st = self.io.sampling.tensors.rows(start, start + len(requests))
         mode = SamplingMode.of(requests)
         uniforms = None
@@ -55,6 +62,25 @@ class PlainSteps:
             self._capture(requests, [r.num_tokens - 1 if r.preemptions else 0
                                      for r in requests], hidden)
         return finished
+
+    def _prefill_chunk(self, share: SharedPrefill, batch: ScheduledBatch
+                       ) -> tuple[torch.Tensor, HiddenStates] | None:
+        """A chunk of a staged prompt (one prompt, for all of batch's requests) into the
+        runner's staging slot. At the last chunk the cache lands in the requests' slots and
+        what a one-shot prefill_shared returns comes back: the last token's logits and every
+        token's hidden states, per request; before it, None."""
+        (prompt,), (lo, hi) = share.prompts, batch.chunk
+        logits, hidden = self.runner.prefill_staged(prompt, lo, hi, self.aux_layers)
+        self.last_trace.prefill_computed += hi - lo
+        self._staged_hidden.append(hidden)
+        if hi < len(prompt):
+            return None
+        parts, self._staged_hidden = self._staged_hidden, []
+        hidden = HiddenStates(torch.cat([p.final for p in parts], 1),
+                              tuple(torch.cat(a, 1) for a in zip(*(p.aux for p in parts))))
+        self.runner.land_staged(len(share.source), batch.slot_start, len(prompt))
+        rows = torch.zeros(len(share.source), dtype=torch.long, device=logits.device)
+        return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
         """A plain decode step. With a drafter on device (speculation switched off for this

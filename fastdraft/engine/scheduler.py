@@ -31,10 +31,12 @@ class Phase(StrEnum):
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
     """PREFILL: newly admitted requests in slots slot_start..; DECODE: every running request,
-    request b in slot b."""
+    request b in slot b. chunk (PREFILL of a staged prompt, see Staged): the positions lo..hi-1
+    this step computes; the requests hold slots only from the last chunk on."""
 
     phase: Phase
     requests: list[Request]
+    chunk: tuple[int, int] | None = None
 
     @property
     def slot_start(self) -> int:
@@ -50,6 +52,17 @@ class SlotMove(NamedTuple):
     num_cells: int
 
 
+@dataclass(slots=True)
+class Staged:
+    """A prompt longer than a prefill chunk (a long prompt, or the re-prefill of a preempted or
+    migrated request's prompt + answer), prefilled a chunk per step with decode steps between:
+    its requests (one prompt: a request, or a GRPO group's equal prompts) and the cells done."""
+
+    requests: list[Request]
+    length: int
+    done: int = 0
+
+
 class KVBlocks(Protocol):
     """What admission asks of a paged KV cache (engine/paged_kv.py)."""
 
@@ -61,13 +74,17 @@ class KVBlocks(Protocol):
 
 class Scheduler:
     def __init__(self, num_slots: int, max_prefill_tokens: int,
-                 kv: KVBlocks | None = None) -> None:
-        """kv: a paged cache's free blocks bound admission too (None: slots alone)."""
+                 kv: KVBlocks | None = None, chunk_tokens: int = 0) -> None:
+        """kv: a paged cache's free blocks bound admission too (None: slots alone).
+        chunk_tokens > 0: a prompt longer than that is prefilled in chunks of it (Staged)."""
         self.num_slots = num_slots
         self.max_prefill_tokens = max_prefill_tokens
         self.kv = kv
+        self.chunk_tokens = chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # running[i].slot == i
+        self.staged: Staged | None = None
+        self._decode_next = False   # after a chunk the running requests take a step
         self._moves: list[SlotMove] = []
 
     def add(self, request: Request) -> None:
@@ -75,7 +92,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.staged)
+
+    @property
+    def unfinished(self) -> list[Request]:
+        """Every request not finished: running, staged, then waiting."""
+        staged = self.staged.requests if self.staged is not None else []
+        return [*self.running, *staged, *self.waiting]
 
     @property
     def num_free(self) -> int:
@@ -91,28 +114,45 @@ class Scheduler:
         (CHUNK_COST_TOKENS). RL prompts are long-tailed too: in one padded chunk, 200 prompts of
         6-60 tokens beside 56 of up to 240 cost 3.5x their real tokens.
 
+        A prompt longer than chunk_tokens is staged (with its group's equal prompts): a chunk a
+        step, the running requests decoding between chunks, nothing else admitted meanwhile.
+
         With a paged cache, the admitted requests' blocks (a group's equal prompts count once)
         and one block each to decode into must be free (`_blocks_to_admit`)."""
+        if self.staged is not None:
+            if self.running and self._decode_next:
+                self._decode_next = False
+                return ScheduledBatch(Phase.DECODE, list(self.running))
+            return self._next_chunk()
         admitted: list[Request] = []
         num_fit = min(self.num_slots - len(self.running), len(self.waiting))
+        staging = False
         if num_fit:
             candidates = sorted((self.waiting.popleft() for _ in range(num_fit)),
                                 key=lambda r: r.prefill_len)
             longest, blocks, seen = 0, 0, set()
             for request in candidates:   # ascending: each prompt is the chunk's longest
                 n = request.prefill_len   # a migrated request re-prefills its answer too
-                if admitted and ((len(admitted) + 1) * n > self.max_prefill_tokens
-                                 or len(admitted) * (n - longest) > CHUNK_COST_TOKENS):
+                long = 0 < self.chunk_tokens < n
+                if staging:   # only the staged prompt's equals join it
+                    if request.prefill_token_ids != admitted[0].prefill_token_ids:
+                        break
+                elif admitted and (long or (len(admitted) + 1) * n > self.max_prefill_tokens
+                                   or len(admitted) * (n - longest) > CHUNK_COST_TOKENS):
                     break
                 blocks += self._blocks_to_admit(request, seen)
                 # Room for the running requests to grow a block each: admitting into the last
                 # free blocks would only preempt someone at the next step.
                 if self.kv is not None and blocks + len(self.running) > self.kv.num_free:
                     break
-                longest = n
-                request.slot = len(self.running) + len(admitted)
+                longest, staging = n, staging or long
+                if not staging:
+                    request.slot = len(self.running) + len(admitted)
                 admitted.append(request)
             self.waiting.extendleft(reversed(candidates[len(admitted):]))
+        if staging:
+            self.staged = Staged(admitted, longest)
+            return self._next_chunk()
         if admitted:
             self.running.extend(admitted)
             return ScheduledBatch(Phase.PREFILL, admitted)
@@ -121,6 +161,21 @@ class Scheduler:
                 raise RuntimeError(f"no request fits the free KV blocks ({self.kv.num_free})")
             raise RuntimeError("schedule() called with no work")
         return ScheduledBatch(Phase.DECODE, list(self.running))
+
+    def _next_chunk(self) -> ScheduledBatch:
+        """The staged prompt's next chunk; at its last, its requests take slots and run."""
+        staged = self.staged
+        assert staged is not None
+        lo = staged.done
+        staged.done = hi = min(lo + self.chunk_tokens, staged.length)
+        if hi == staged.length:
+            for request in staged.requests:
+                request.slot = len(self.running)
+                self.running.append(request)
+            self.staged = None
+        else:
+            self._decode_next = True
+        return ScheduledBatch(Phase.PREFILL, list(staged.requests), chunk=(lo, hi))
 
     def _blocks_to_admit(self, request: Request, seen: set[tuple[int, ...]]) -> int:
         """Blocks a request takes when admitted, plus one to decode into: a prompt already

@@ -44,6 +44,7 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
         device=cfg.model.device, spec=spec, drafter=drafter,
         capture_aux_layers=_trainer_capture(cfg, drafter_dir, drafter, model_config),
         graphs=cfg.rollout.graphs, kv_block_size=cfg.rollout.kv_block_size,
+        prefill_chunk_tokens=cfg.rollout.prefill_chunk_tokens,
         kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
                                getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
     actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)

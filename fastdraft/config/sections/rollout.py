@@ -87,6 +87,10 @@ class RolloutConfig:
     compile: bool = False
     kv_block_size: int = KV_BLOCK_SIZE  # cells per block of the paged KV cache; 0: static slots
     kv_cache_gb: float | None = None    # the paged cache's size; None: what static slots hold
+    # No prefill forward computes more tokens: a longer prompt, or the re-prefill of a
+    # preempted request's prompt + answer, runs a chunk a step between decode steps (0: one
+    # forward per prefill batch, however long). The native engine's; vLLM chunks by its own.
+    prefill_chunk_tokens: int = 8192
     backend: str = "native"             # native: fastdraft's engine; vllm: vLLM (an extra)
 
     def __post_init__(self) -> None:
@@ -107,5 +111,7 @@ class RolloutConfig:
                  "rollout.kv_cache_gb must be > 0 (or null: as much as static slots hold)")
         _require(self.kv_cache_gb is None or self.kv_block_size > 0, "rollout.kv_cache_gb "
                  "sizes the paged KV cache: it needs rollout.kv_block_size > 0")
+        _require(self.prefill_chunk_tokens >= 0, "rollout.prefill_chunk_tokens must be >= 0 "
+                 "(0: a prefill in one forward)")
 
 
