@@ -313,19 +313,20 @@ class RunPlan:
                 "engine_reserve": self.engine_reserve}
 
 
-def check_run_plan(engine_plan: EnginePlan, actor_plan: ActorPlan,
-                   device_capacity_bytes: int, hybrid: bool = False) -> None:
+def check_run_plan(plan: RunPlan, device_capacity_bytes: int) -> None:
     """Refuses a run whose device 0 (engine + actor rank 0) or another rank's device needs more
     than device_capacity_bytes (usable bytes of one device; on the CPU: of the RAM), naming
     each setting that would make it fit on its own (or two together when none does alone)."""
-    plan = RunPlan(engine=engine_plan, actor=actor_plan, hybrid=hybrid)
+    engine_plan, actor_plan = plan.engine, plan.actor
     cap = device_capacity_bytes
     if plan.fits(cap):
         return
     over = []
     if plan.device0_bytes > cap:
-        where = ("the RAM" if plan.on_cpu else "each device (an engine replica and an actor "
-                 "rank)" if plan.hybrid else "device 0 (the engine and the actor's rank 0)")
+        member = " and a drafter trainer member" if plan.trainer else ""
+        where = ("the RAM" if plan.on_cpu else f"each device (an engine replica and an actor "
+                 f"rank{member})" if plan.hybrid else "device 0 (the engine and the actor's "
+                 "rank 0)")
         over.append(f"{gb(plan.device0_bytes)} on {where}")
     if not plan.fits(cap, device0=False):
         over.append(f"{gb(actor_plan.per_rank_bytes)} on each other rank's device")

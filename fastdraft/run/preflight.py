@@ -93,7 +93,7 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)
     print("\n".join([*(plan.engine.lines(capacity) if dry else ()), *plan.actor.lines(),
                      *plan.lines(capacity.usable)]))
-    check_run_plan(plan.engine, plan.actor, capacity.usable, plan.hybrid)
+    check_run_plan(plan, capacity.usable)   # the trainer members' bytes too
     if run_dir is not None:
         check_free_space(run_dir, int(1.1 * plan.actor.host), "a checkpoint (fp32 weights and "
                          "AdamW moments)")

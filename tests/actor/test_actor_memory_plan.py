@@ -121,10 +121,10 @@ def test_run_plan_puts_engine_and_rank_0_on_one_device():
 def test_run_plan_refusal_names_settings_that_fit():
     usable = Capacity.of("cuda:0", 80 * GB).usable
     fitting = _run_plan(32, 2048, 2048)
-    check_run_plan(fitting.engine, fitting.actor, usable)
+    check_run_plan(fitting, usable)
     crowded = _run_plan(256, 2048, 2048)
     with pytest.raises(ValueError) as err:
-        check_run_plan(crowded.engine, crowded.actor, usable)
+        check_run_plan(crowded, usable)
     message = str(err.value)
     assert "device 0 (the engine and the actor's rank 0)" in message
     slots = int(re.search(r"rollout\.max_batch_size to <= (\d+)", message).group(1))
@@ -135,7 +135,7 @@ def test_run_plan_refusal_names_settings_that_fit():
     with pytest.raises(ValueError, match=r"Together: lower actor\.micro_batch_tokens to 3072 "
                                          r"\(one longest sequence\) and rollout\.max_batch_size "
                                          r"to <= (\d+)") as err:
-        check_run_plan(old.engine, old.actor, usable)
+        check_run_plan(old, usable)
     slots = int(re.search(r"max_batch_size to <= (\d+)", str(err.value)).group(1))
     assert old.replan(tokens=3072, slots=slots).fits(usable)
 
@@ -145,7 +145,8 @@ def test_ranks_that_do_not_fit_name_num_ranks():
     actor = plan.actor.with_ranks(2)   # 16 x 8.19B / 2 = 65.5 GB of state a rank
     with pytest.raises(ValueError, match=r"each other rank's device.*raise actor\.num_ranks to "
                                          r">= \d+"):
-        check_run_plan(plan.engine, actor, Capacity.of("cuda:0", 80 * GB).usable)
+        check_run_plan(dataclasses.replace(plan, actor=actor),
+                       Capacity.of("cuda:0", 80 * GB).usable)
 
 
 def test_hybrid_plan_gives_every_device_a_replica_and_the_kv_cache_back_for_the_update():
@@ -160,8 +161,13 @@ def test_hybrid_plan_gives_every_device_a_replica_and_the_kv_cache_back_for_the_
     crowded = dataclasses.replace(_run_plan(512, 3072, 3072), hybrid=True)
     with pytest.raises(ValueError, match=r"on each device \(an engine replica and an actor "
                                          r"rank\).*rollout\.max_batch_size to <= \d+"):
-        check_run_plan(crowded.engine, crowded.actor, Capacity.of("cuda:0", 80 * GB).usable,
-                       hybrid=True)
+        check_run_plan(crowded, Capacity.of("cuda:0", 80 * GB).usable)
+    # the drafter trainer member on each device counts: a plan that fits without it may not
+    usable = Capacity.of("cuda:0", 80 * GB).usable
+    room = usable - plan.device0_bytes
+    check_run_plan(dataclasses.replace(plan, trainer=room), usable)
+    with pytest.raises(ValueError, match=r"on each device"):
+        check_run_plan(dataclasses.replace(plan, trainer=room + 1), usable)
     cpu = dataclasses.replace(_run_plan(4, 256, 256, device="cpu"), hybrid=True)
     # 8 workers in one RAM, each keeping its KV cache (nothing to give back to on a CPU); the
     # checkpoint is each worker's shard written in place: no snapshot on rank 0's host

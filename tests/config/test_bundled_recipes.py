@@ -23,7 +23,9 @@ def test_every_bundled_recipe_parses():
         assert cfg.name == path.stem
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b-grpo.yaml", "qwen3-8b-grpo.yaml"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b-grpo.yaml", "qwen3-8b-grpo.yaml",
+                                  "qwen3-8b-dapo-16k.yaml", "qwen2.5-7b-dapo-16k.yaml",
+                                  "qwen3-8b-dapo-32k.yaml"])
 def test_real_recipes_are_checked_and_report_missing_paths(name):
     cfg = load_recipe(Path(__file__).parents[2] / "recipes" / name)
     assert cfg.model.dtype == "bfloat16" and cfg.actor.compute_dtype == "bfloat16"
@@ -53,7 +55,11 @@ QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_s
                  num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
                  rope_theta=1e6, max_position_embeddings=32768, use_sliding_window=False,
                  tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643)
-GPU_RECIPES = [("qwen3-8b-grpo.yaml", QWEN3_8B), ("qwen2.5-7b-grpo.yaml", QWEN25_7B)]
+GPU_RECIPES = [("qwen3-8b-grpo.yaml", QWEN3_8B), ("qwen2.5-7b-grpo.yaml", QWEN25_7B),
+               ("qwen3-8b-dapo-16k.yaml", QWEN3_8B), ("qwen2.5-7b-dapo-16k.yaml", QWEN25_7B),
+               ("qwen3-8b-dapo-32k.yaml", QWEN3_8B)]
+LONG_RECIPES = {"qwen3-8b-dapo-16k.yaml": 16384, "qwen2.5-7b-dapo-16k.yaml": 16384,
+                "qwen3-8b-dapo-32k.yaml": 32768}
 
 
 def _local_paths(root: Path, hf: dict) -> list[str]:
@@ -107,6 +113,19 @@ def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, cap
     assert cfg.cluster.rollout_workers == 8 and cfg.cluster.placement == "hybrid"
 
 
+@pytest.mark.parametrize("name,answer", sorted(LONG_RECIPES.items()))
+def test_the_long_answer_recipes_take_the_long_paths(name, answer):
+    """16k / 32k answers: DAPO's overlong shaping, prefill in chunks, the actor's sequences
+    packed into micro-batches of one longest sequence and its logits chunked."""
+    cfg = load_recipe(RECIPES_DIR / name)
+    assert cfg.rollout.max_new_tokens == answer and cfg.rollout.max_seq_len == answer + 1024
+    assert cfg.algorithm.loss == "dapo" and cfg.algorithm.overlong_buffer == 4096
+    assert 0 < cfg.rollout.prefill_chunk_tokens < answer
+    assert cfg.actor.pack_sequences and cfg.actor.micro_batch_tokens == answer + 1024
+    assert 0 < cfg.actor.logits_chunk_tokens <= 4096
+    assert cfg.drafter.online.enabled and cfg.drafter.online.max_sample_tokens <= 2048
+
+
 @pytest.mark.parametrize("training", ["one", "data_parallel"])
 def test_the_8b_recipe_with_online_training_counts_the_trainer_member_on_each_device(
         tmp_path, capsys, training):
@@ -135,7 +154,7 @@ def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
                     "rollout.max_batch_size=384") == 2
     err = capsys.readouterr().err
-    assert "each device (an engine replica and an actor rank)" in err
+    assert "each device (an engine replica and an actor rank and a drafter trainer member)" in err
     slots = int(re.search(r"lower rollout\.max_batch_size to <= (\d+)", err).group(1))
     # the count it names is at least the fixed recipe's (which passes above)
     assert slots >= load_recipe(RECIPES_DIR / "qwen3-8b-grpo.yaml").rollout.max_batch_size
@@ -144,7 +163,8 @@ def test_the_8b_recipe_before_its_fix_fails_the_dry_run(tmp_path, capsys):
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
                     "rollout.max_batch_size=256", "rollout.kv_block_size=0",
                     "rollout.kv_cache_gb=null", "rollout.max_seq_len=3072",
-                    "rollout.max_new_tokens=2048", "actor.micro_batch_tokens=16384") == 2
+                    "rollout.max_new_tokens=2048", "actor.micro_batch_tokens=16384",
+                    "rollout.prefill_chunk_tokens=0") == 2
     err = capsys.readouterr().err
     assert "KV cache 116.7 GB" in err
     assert int(re.search(r"lower rollout\.max_batch_size to <= (\d+)", err).group(1)) < 256
