@@ -81,8 +81,14 @@ class ModelRunner:
             return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at,
                           paged_attention=self.paged_attention,
                           ctx_lens=positions[:, -1] + 1, new_mask=tree)
+        if not self.ragged_reads:   # (a graph or a compiled forward: one read, no host plan)
+            return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at)
+        if num_rows == 1:
+            slot = int(rows[0]) if rows is not None else slot_start
+            return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at,
+                          span_start=self.pages.span(slot, attn.ctx_len))
         chunks = (plan_reads(attn.mask, table, self.pages.block_size, self.dtype)
-                  if self.ragged_reads and attn.mask is not None else None)
+                  if attn.mask is not None else None)
         return KVView(self.k_cache, self.v_cache, table=table, write_at=write_at, chunks=chunks)
 
     @torch.inference_mode()

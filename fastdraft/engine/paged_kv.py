@@ -149,6 +149,16 @@ class PagedKV:
             self.slots[slot] = None
         self._sync(sorted({m.dst for m in moves} | vacated))
 
+    def span(self, slot: int, num_cells: int) -> int | None:
+        """The first block when the slot's blocks holding its first num_cells cells are
+        consecutive in the pool (one view reads them), else None."""
+        table = self.slots[slot]
+        count = self.pool.blocks_for(num_cells)
+        if table is None or len(table.blocks) < count:
+            return None
+        first = table.blocks[0]
+        return first if table.blocks[:count] == list(range(first, first + count)) else None
+
     def cells(self, table: torch.Tensor, cells: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' tables [B, max_blocks], cells [B, T] -> (block, offset) [B, T]."""

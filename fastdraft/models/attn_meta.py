@@ -53,6 +53,9 @@ class KVView:
     # Paged eager forwards: attention reads these row chunks, each padded only to its own
     # longest row (None: one read of every row to ctx_len).
     chunks: tuple[ReadChunk, ...] | None = None
+    # Paged eager forwards of one row whose blocks up to ctx_len are consecutive, from this one:
+    # attention reads them as a view of the pool, no gather (None: gather).
+    span_start: int | None = None
 
     @property
     def reads_mask(self) -> bool:

@@ -163,8 +163,10 @@ def _paged_write(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -
     assert kv.write_at is not None
     k_cache, v_cache = kv.k[layer_idx], kv.v[layer_idx]
     block, offset = kv.write_at
-    k_cache[block, offset] = k.to(k_cache.dtype)
-    v_cache[block, offset] = v.to(v_cache.dtype)
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache[block, offset] = k
+    v_cache[block, offset] = v
 
 
 def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
@@ -174,6 +176,10 @@ def _paged_write_and_read(kv: KVView, layer_idx: int, k: torch.Tensor, v: torch.
     _paged_write(kv, layer_idx, k, v)
     assert kv.table is not None
     batch, block_size = kv.table.shape[0], kv.k[layer_idx].shape[1]
+    if kv.span_start is not None:   # one row, its blocks consecutive: a view of the pool
+        end = kv.span_start + -(-ctx_len // block_size)
+        return tuple(c[kv.span_start: end].view(1, -1, *c.shape[2:])[:, :ctx_len].transpose(1, 2)
+                     for c in (kv.k[layer_idx], kv.v[layer_idx]))
     pages = kv.table[:, : -(-ctx_len // block_size)].flatten()
     return tuple(_gather(c, pages, batch, ctx_len) for c in (kv.k[layer_idx], kv.v[layer_idx]))
 
