@@ -60,9 +60,13 @@ class PromptSource:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=self._special))
 
-    def batch(self, step: int, num_prompts: int) -> list[PromptItem]:
+    def batch(self, step: int, num_prompts: int, round_: int = 0) -> list[PromptItem]:
+        """Step `step`'s prompts: fresh task problems, or the next of the dataset's epochs (each
+        shuffled by the seed). round_ > 0: the step's r-th resampling round draws from a stream
+        of its own (the same for the same step and round, so a resumed run draws it again)."""
+        stream = f"{self.cfg.seed}/resample{round_}" if round_ else f"{self.cfg.seed}"
         if self.task is not None and not self.pool:
-            rng = random.Random(f"{self.cfg.seed}/{step}")
+            rng = random.Random(f"{stream}/{step}")
             problems = [self.task.sample(rng) for _ in range(num_prompts)]
             return [PromptItem(self._encode(p.prompt), p.prompt, p.answer, p) for p in problems]
         size = len(self.pool) if self.pool else len(self.rows)
@@ -70,7 +74,7 @@ class PromptSource:
         for k in range(step * num_prompts, (step + 1) * num_prompts):
             epoch, pos = divmod(k, size)
             order = list(range(size))
-            random.Random(f"{self.cfg.seed}/epoch{epoch}").shuffle(order)
+            random.Random(f"{stream}/epoch{epoch}").shuffle(order)
             items.append(self.pool[order[pos]] if self.pool else self._row(order[pos]))
         return items
 

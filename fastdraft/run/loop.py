@@ -45,16 +45,18 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     run.drafter.start_rollout(step, len(items) * group, run.engine)  # trains in the tail
     completions = rollout(run, step, [it.ids for it in items])
     timer.lap("rollout")
-    rewards = [run.prompts.score(items[i // group], run.decode(c.token_ids))
-               for i, c in enumerate(completions)]
+    rewards = _score(run, items, completions)
     run.drafter.end_rollout(rewards)
+    rollout_metrics = run.rollout_metrics(completions, rewards)   # the step's own rollout
+    items, completions, rewards, resampled = _resample(run, step, items, completions, rewards)
     advantages, weights = run.algorithm.advantages(
         rewards, group, [len(c.token_ids) for c in completions],
         [c.finish_reason == "length" for c in completions])
     # Samples of skipped (zero-variance) groups, and with algorithm.overlong_filter answers cut
     # at the budget, carry no gradient: they leave the batch, so the update costs only what it
-    # learns from (DAPO's dynamic sampling, without the resampling).
-    keep = [i for i, w in enumerate(weights) if w > 0] or list(range(len(completions)))
+    # learns from; with resampling, the first prompts_per_step groups that do are kept.
+    num = cfg.rollout.prompts_per_step   # (none carries gradient: the first rollout, weight 0)
+    keep = _kept(weights, group, num) or list(range(num * group))
     batch = build_batch([items[i // group].ids for i in keep],
                         [completions[i].token_ids for i in keep],
                         [completions[i].logprobs for i in keep],
@@ -74,12 +76,11 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # On the device, one tensor at a time; then the engines' step end (model-free drafters
     # slide their window, budgets their history).
     run.push_weights(advance_step=True)
-    rollout_metrics = run.rollout_metrics(completions, rewards)
     drafter_metrics = run.drafter.after_step(run.engine, rollout_metrics.get(
         "rollout/accept_length"))   # health check, then the new drafter into the engine
     timer.lap("push")
     metrics = {**rollout_metrics, **drafter_metrics, **gate, **update.metrics,
-               "actor/trained_samples": float(len(keep)),
+               "actor/trained_samples": float(len(keep)), **resampled,
                **timer.metrics(), **run.cluster_metrics(step, timer.laps),
                "timing/last_checkpoint_s": run.last_checkpoint_s,
                "policy/version": float(run.engine.policy_version),
@@ -91,16 +92,58 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def rollout(run: Run, step: int, prompts: list[list[int]], train_drafter: bool = True
-            ) -> list[Completion]:
+def _score(run: Run, items: list, completions: list[Completion]) -> list[float]:
+    group = run.cfg.rollout.group_size
+    return [run.prompts.score(items[i // group], run.decode(c.token_ids))
+            for i, c in enumerate(completions)]
+
+
+def _kept(weights: list[float], group: int, num_groups: int) -> list[int]:
+    """The samples that carry gradient (weight > 0), of the first num_groups groups that have
+    one."""
+    groups = [g for g in range(len(weights) // group)
+              if any(w > 0 for w in weights[g * group: (g + 1) * group])][:num_groups]
+    return [i for g in groups for i in range(g * group, (g + 1) * group) if weights[i] > 0]
+
+
+def _resample(run: Run, step: int, items: list, completions: list[Completion],
+              rewards: list[float]) -> tuple[list, list[Completion], list[float],
+                                             dict[str, float]]:
+    """DAPO's dynamic sampling (algorithm.resample_rounds): while fewer than prompts_per_step
+    groups carry gradient, another rollout of fresh prompts (each round's prompts and random
+    streams its own: a resumed run draws them again). The online drafter does not see these
+    rollouts (its step's capture is the first rollout's)."""
+    cfg, start = run.cfg, time.perf_counter()
+    num, group, rounds = cfg.rollout.prompts_per_step, cfg.rollout.group_size, 0
+    while rounds < cfg.algorithm.resample_rounds:
+        _, weights = run.algorithm.advantages(
+            rewards, group, [len(c.token_ids) for c in completions],
+            [c.finish_reason == "length" for c in completions])
+        if len({i // group for i in _kept(weights, group, num)}) >= num:
+            break
+        rounds += 1
+        more = run.prompts.batch(step, num, round_=rounds)
+        outs = rollout(run, step, [it.ids for it in more], train_drafter=False, round_=rounds)
+        items, completions = items + more, completions + outs
+        rewards = rewards + _score(run, more, outs)
+    metrics = ({"rollout/resample_rounds": float(rounds),
+                "timing/resample_s": time.perf_counter() - start}
+               if cfg.algorithm.resample_rounds else {})
+    return items, completions, rewards, metrics
+
+
+def rollout(run: Run, step: int, prompts: list[list[int]], train_drafter: bool = True,
+            round_: int = 0) -> list[Completion]:
     """group_size samples of every prompt (request i of the call draws from seed + i: every
-    sample its own stream, every step new ones, the same again after a resume).
-    train_drafter=False: an evaluation rollout, whose samples the online drafter never sees."""
+    sample its own stream, every step new ones, the same again after a resume; a resampling
+    round_ its own). train_drafter=False: samples the online drafter never sees (an
+    evaluation rollout, a resampling round)."""
     cfg = run.cfg.rollout
     group = cfg.group_size
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_new_tokens=cfg.max_new_tokens,
-                            seed=run.cfg.seed * 1_000_003 + step * len(prompts) * group)
+                            seed=run.cfg.seed * 1_000_003 + step * len(prompts) * group
+                            + round_ * 2**40)
     return run.engine.generate([p for p in prompts for _ in range(group)], params,
                                on_finish=run.on_finish if train_drafter else None,
                                on_hidden=run.drafter.on_hidden if train_drafter else None,

@@ -115,11 +115,12 @@ def test_gpu_recipes_pass_the_dry_run_on_an_8x80_gb_node(name, hf, tmp_path, cap
 
 @pytest.mark.parametrize("name,answer", sorted(LONG_RECIPES.items()))
 def test_the_long_answer_recipes_take_the_long_paths(name, answer):
-    """16k / 32k answers: DAPO's overlong shaping, prefill in chunks, the actor's sequences
-    packed into micro-batches of one longest sequence and its logits chunked."""
+    """16k / 32k answers: DAPO's overlong shaping and dynamic sampling, prefill in chunks, the
+    actor's sequences packed into micro-batches of one longest sequence, its logits chunked."""
     cfg = load_recipe(RECIPES_DIR / name)
     assert cfg.rollout.max_new_tokens == answer and cfg.rollout.max_seq_len == answer + 1024
     assert cfg.algorithm.loss == "dapo" and cfg.algorithm.overlong_buffer == 4096
+    assert cfg.algorithm.skip_zero_variance and cfg.algorithm.resample_rounds > 0
     assert 0 < cfg.rollout.prefill_chunk_tokens < answer
     assert cfg.actor.pack_sequences and cfg.actor.micro_batch_tokens == answer + 1024
     assert 0 < cfg.actor.logits_chunk_tokens <= 4096

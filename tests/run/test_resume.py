@@ -87,7 +87,8 @@ def test_a_resume_that_changes_what_is_learned_is_refused_unless_forced(policy, 
     # what only decides how long, how fast or what is logged may change
     Run(_cfg(policy, "algorithm.num_steps=6", "rollout.max_batch_size=4",
              "rollout.spec.method=none", "logging.progress=true", "rollout.kv_block_size=8",
-             "rollout.kv_cache_gb=0.01"), tmp_path / "run", resume=True)
+             "rollout.kv_cache_gb=0.01", "rollout.prefill_chunk_tokens=64"), tmp_path / "run",
+        resume=True)
     forced = Run(_cfg(policy, "actor.lr=2e-3"), tmp_path / "run", resume=True,
                  resume_force=True)
     assert forced.cfg.actor.lr == 2e-3

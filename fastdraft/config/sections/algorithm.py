@@ -68,10 +68,11 @@ class AlgorithmConfig:
     None: 0.28): DAPO's upper clip. kl_coef: k3 KL to the frozen initial policy.
     aggregation (token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None: the
     advantage's preset, else the loss's own default). skip_zero_variance drops groups whose
-    rewards are all equal (DAPO). overlong_filter: an answer cut at rollout.max_new_tokens
-    carries no gradient; overlong_buffer (0: off): DAPO's soft overlong punishment over the
-    last this many tokens of the budget (algo/overlong.py). gate: the lossless gate's limits
-    (GateSection)."""
+    rewards are all equal (DAPO); resample_rounds (with it): up to this many more rollouts of
+    fresh prompts a step refill the dropped groups (DAPO's dynamic sampling). overlong_filter:
+    an answer cut at rollout.max_new_tokens carries no gradient; overlong_buffer (0: off):
+    DAPO's soft overlong punishment over the last this many tokens of the budget
+    (algo/overlong.py). gate: the lossless gate's limits (GateSection)."""
 
     num_steps: int = 20
     advantage: str = "grpo"
@@ -82,6 +83,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     aggregation: str | None = None      # None: the advantage's preset or the loss's default
     skip_zero_variance: bool = False
+    resample_rounds: int = 0
     overlong_filter: bool = False
     overlong_buffer: int = 0
     gate: GateSection = field(default_factory=GateSection)
@@ -94,6 +96,11 @@ class AlgorithmConfig:
                  "algorithm.clip_high must be >= 0")
         _require(self.overlong_buffer >= 0, f"algorithm.overlong_buffer must be >= 0 (0: no "
                  f"soft overlong punishment), got {self.overlong_buffer}")
+        _require(self.resample_rounds >= 0, "algorithm.resample_rounds must be >= 0 (0: no "
+                 f"resampling), got {self.resample_rounds}")
+        _require(not self.resample_rounds or self.skip_zero_variance, "algorithm."
+                 "resample_rounds refills the groups skip_zero_variance drops: set "
+                 "algorithm.skip_zero_variance=true, or resample_rounds=0")
         from fastdraft.algo.advantages import advantage_aggregation
         from fastdraft.algo.policy_loss import available_aggregations
         registries = _registries()
