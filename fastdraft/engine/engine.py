@@ -181,7 +181,6 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         self.spec = spec
         self.runner = ModelRunner(model, envelope, max_batch_size, compile, kv_block_size,
                                   kv_blocks, paged_attention, staging=prefill_chunk_tokens > 0)
-        self._staged_hidden: list[HiddenStates] = []   # the staged prompt's chunks so far
         self.proposer: Proposer = proposer or make_proposer(spec, model, drafter, max_batch_size,
                                                             envelope, compile)
         # One set of aux layers per forward serves the proposer and the hidden-state capture.
@@ -254,7 +253,6 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         scheduler = Scheduler(self.max_batch_size, self.max_prefill_tokens,
                               pages if pages is not None and pages.bounded else None,
                               self.prefill_chunk_tokens)
-        self._staged_hidden = []   # whatever a broken call staged
         for request in requests:
             scheduler.add(request)
         self.last_stats, self.last_migrated = SpecStats(), []

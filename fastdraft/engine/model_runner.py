@@ -47,6 +47,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.envelope = envelope
         self.staging = num_slots if staging else None
+        self._staged: list[HiddenStates] = []   # the staged prompt's chunks so far
         num_slots += int(staging)
         self.pages = (PagedKV(cfg, num_slots, envelope.cache_len, block_size, num_blocks,
                               self.dtype, self.device) if block_size else None)
@@ -136,17 +137,28 @@ class ModelRunner:
         return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
 
     def prefill_staged(self, prompt: list[int], lo: int, hi: int,
-                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenStates]:
-        """Positions lo..hi-1 of `prompt` into the staging slot (chunks in order, from 0) ->
-        (the logits of position hi - 1 [1, V], hidden states [1, hi - lo, H])."""
+                       aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, HiddenStates] | None:
+        """Positions lo..hi-1 of `prompt` into the staging slot (chunks in order, from 0).
+        Before the last chunk None; at it (hi == len(prompt)) what prefill() of the whole prompt
+        returns: its last token's logits [1, V] and every position's hidden states [1, L, H]
+        (kept chunk by chunk here)."""
         slot = self.staging
         assert slot is not None, "the runner was built without a staging slot"
         rows = None
-        if self.pages is not None:
-            if lo == 0:
+        if lo == 0:
+            self._staged = []
+            if self.pages is not None:
                 self.pages.admit(slot, prompt)
+        if self.pages is not None:
             rows = torch.tensor([slot], device=self.device)
-        return self.prefill([prompt[:hi]], slot, aux_layers, rows, start=lo)
+        logits, hidden = self.prefill([prompt[:hi]], slot, aux_layers, rows, start=lo)
+        self._staged.append(hidden)
+        if hi < len(prompt):
+            return None
+        parts, self._staged = self._staged, []
+        return logits, HiddenStates(torch.cat([p.final for p in parts], 1),
+                                    tuple(torch.cat(a, 1) for a in zip(*(p.aux for p in parts))))
 
     def land_staged(self, num_rows: int, slot_start: int, num_cells: int) -> None:
         """The staged prompt's cache (its first num_cells cells) becomes slots slot_start ..

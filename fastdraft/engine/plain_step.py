@@ -69,17 +69,14 @@ class PlainSteps:
         runner's staging slot. At the last chunk the cache lands in the requests' slots and
         what a one-shot prefill_shared returns comes back: the last token's logits and every
         token's hidden states, per request; before it, None."""
-        (prompt,), (lo, hi) = share.prompts, batch.chunk
-        logits, hidden = self.runner.prefill_staged(prompt, lo, hi, self.aux_layers)
+        prompt, (lo, hi) = share.prompts[0], batch.chunk
+        staged = self.runner.prefill_staged(prompt, lo, hi, self.aux_layers)
         self.last_trace.prefill_computed += hi - lo
-        self._staged_hidden.append(hidden)
-        if hi < len(prompt):
+        if staged is None:
             return None
-        parts, self._staged_hidden = self._staged_hidden, []
-        hidden = HiddenStates(torch.cat([p.final for p in parts], 1),
-                              tuple(torch.cat(a, 1) for a in zip(*(p.aux for p in parts))))
-        self.runner.land_staged(len(share.source), batch.slot_start, len(prompt))
-        rows = torch.zeros(len(share.source), dtype=torch.long, device=logits.device)
+        logits, hidden = staged
+        self.runner.land_staged(len(batch.requests), batch.slot_start, len(prompt))
+        rows = torch.zeros(len(batch.requests), dtype=torch.long, device=logits.device)
         return logits[rows], HiddenStates(hidden.final[rows], tuple(a[rows] for a in hidden.aux))
 
     def _decode(self, scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
