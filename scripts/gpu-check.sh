@@ -16,6 +16,8 @@
 # each (default 3). Each run's log, metrics.jsonl and memory plan land in OUT_DIR. "warmup" runs
 # `drafter warmup --device cuda` on the miniature's policy (EAGLE-3, 512 rollouts, 400 steps of
 # 1024 tokens) and on the CPU beside it: capture and training tokens/s in OUT_DIR/warmup_*.log.
+# "long": decode at contexts 4096 and 16384 with the gather and the Triton kernel, then the
+# long-answer miniature (recipes/tiny-qwen3-long.yaml) in bf16 with rollout.paged_attention=triton.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu}
@@ -56,6 +58,15 @@ rl() {
     echo "rl: Ray is not installed here: the Ray runs are skipped"
   fi
 }
+long() {   # issue 41's GPU points: decode at 4k and 16k context, gather vs the Triton kernel
+  # (bench gpu's paged_gather / paged_triton rows), then the long-answer miniature with the
+  # kernel serving every decode and verify step, in bf16 (the gate must hold every step)
+  fastdraft bench gpu --device cuda --dtype bfloat16 --no-compile --repeats 2 \
+    --contexts 4096,16384 --parts decode --json "$out/bench_gpu_long.json" 2>&1 \
+    | tee "$out/bench_gpu_long.log" || status=1
+  rl_run rl_long_triton recipes/tiny-qwen3-long.yaml actor.num_ranks=1 model.dtype=bfloat16 \
+    actor.compute_dtype=bfloat16 rollout.paged_attention=triton
+}
 warmup() {   # the device warm-up on this GPU, and the same on its CPU for the ratio
   local policy dir; dir=$(mktemp -d)
   policy=$("$py" -c "from fastdraft.bootstrap.run import run_bootstrap
@@ -78,8 +89,8 @@ bench() {
 }
 for part in ${GPU_CHECK_PARTS:-tests bench}; do
   case $part in
-    tests|rl|bench|warmup) "$part" ;;
-    *) echo "GPU_CHECK_PARTS: unknown part $part (tests, rl, bench, warmup)"; exit 2 ;;
+    tests|rl|bench|warmup|long) "$part" ;;
+    *) echo "GPU_CHECK_PARTS: unknown part $part (tests, rl, bench, warmup, long)"; exit 2 ;;
   esac
 done
 exit $status

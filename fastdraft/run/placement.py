@@ -63,6 +63,7 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
         if rollout.tuner.enabled and not host else None,
         budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
         kv_block_size=rollout.kv_block_size, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
+        paged_attention="gather" if host else rollout.paged_attention,
         kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
                                                  ModelConfig.from_pretrained(policy_dir),
                                                  DTYPES[cfg.model.dtype], rollout.kv_block_size))

@@ -20,7 +20,7 @@ FREE_ON_RESUME = (
     "name", "algorithm.num_steps", "algorithm.gate.", "logging.", "checkpoint.", "model.device",
     "rollout.max_batch_size", "rollout.spec.", "rollout.tuner.", "rollout.budget.",
     "rollout.graphs", "rollout.compile", "rollout.kv_block_size", "rollout.kv_cache_gb",
-    "rollout.prefill_chunk_tokens",
+    "rollout.prefill_chunk_tokens", "rollout.paged_attention",
     "actor.micro_batch_tokens", "actor.num_ranks", "actor.pack_sequences",
     "actor.logits_chunk_tokens",
     "drafter.", "cluster.",

@@ -91,6 +91,11 @@ class RolloutConfig:
     # preempted request's prompt + answer, runs a chunk a step between decode steps (0: one
     # forward per prefill batch, however long). The native engine's; vLLM chunks by its own.
     prefill_chunk_tokens: int = 8192
+    # How paged decode and verify steps attend: "gather" (the rows' blocks copied, then SDPA;
+    # the default until a GPU RL run has held the gate with the kernel) or "triton" (kernels/
+    # triton_paged_attention.py reads the blocks in place; needs triton, kv_block_size a power
+    # of two).
+    paged_attention: str = "gather"
     backend: str = "native"             # native: fastdraft's engine; vllm: vLLM (an extra)
 
     def __post_init__(self) -> None:
@@ -113,5 +118,11 @@ class RolloutConfig:
                  "sizes the paged KV cache: it needs rollout.kv_block_size > 0")
         _require(self.prefill_chunk_tokens >= 0, "rollout.prefill_chunk_tokens must be >= 0 "
                  "(0: a prefill in one forward)")
+        _require(self.paged_attention in ("gather", "triton"), "rollout.paged_attention must "
+                 f"be gather or triton, got {self.paged_attention!r}")
+        _require(self.paged_attention == "gather" or self.kv_block_size > 0, "rollout."
+                 "paged_attention: triton reads a paged KV cache: set rollout.kv_block_size > 0")
+        _require(self.paged_attention == "gather" or self.backend == "native", "rollout."
+                 "paged_attention is the native engine's: vLLM picks its own attention")
 
 
