@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -39,6 +40,9 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
             [sys.executable, "-m", "fastdraft.cluster.reaper", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, check=True,
             start_new_session=True).stdout)   # out of reach of group kills
+    # ray.init replaces this process's SIGTERM handler with sys.exit(15): a stop signal would
+    # then end the run silently, with no checkpoint or one line (seen in CI's fault test).
+    ours = signal.getsignal(signal.SIGTERM)
     try:
         # "local": a cluster of its own even where another runs on this machine (`ray start`'s,
         # which Ray would otherwise join, refusing this run's CPU count)
@@ -50,6 +54,9 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
             "that `ray status --address ...` answers there; a cluster started by `ray start` "
             "with token authentication needs RAY_AUTH_MODE=token and its token "
             "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this process's environment") from err
+    finally:
+        if ours is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, ours)
     return True
 
 

@@ -142,6 +142,26 @@ def _name(pid: int) -> str:
         return "?"
 
 
+KEEPS_HANDLER = """
+import signal
+from fastdraft.cluster.ray_cluster import connect
+from fastdraft.config.sections import ClusterConfig
+def ours(signum, frame):
+    raise SystemExit(143)
+signal.signal(signal.SIGTERM, ours)
+connect(ClusterConfig(backend="ray", rollout_workers=1), 1)
+print("kept" if signal.getsignal(signal.SIGTERM) is ours else "replaced", flush=True)
+"""
+
+
+def test_connecting_ray_keeps_the_runs_sigterm_handler(ray_tmp):
+    """ray.init installs sys.exit(15) for SIGTERM; a run's own handler (the one line, the
+    checkpoint on stop) must survive it."""
+    driver = subprocess.run([sys.executable, "-c", KEEPS_HANDLER], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "RAY_TMPDIR": ray_tmp})
+    assert driver.stdout.split() == ["kept"], driver.stderr[-2000:]
+
+
 def test_a_role_started_while_ray_is_down_is_refused_not_auto_started():
     """Ray's own auto-start would join whatever cluster the environment names (a test once
     hung in it): the run connects Ray first, and a role started without it is a bug."""
