@@ -1,8 +1,9 @@
 """The long-answer miniature end to end (recipes/tiny-qwen3-long.yaml): every step's prompts
-are 840-1120 tokens, prefilled in chunks of 256 between decode steps, and its answers run past
-1000 tokens; a paged KV pool they outgrow preempts and re-prefills them (in chunks too); the
-actor trains on packed sequences with chunked logits; the gate holds every step and the online
-drafter publishes a new version every step. Slow: ~4 min here."""
+are 1040-1200 tokens, prefilled in chunks of 256 between decode steps, and its answers run past
+1000 tokens (every problem asks for 1041-1201); a paged KV pool they outgrow preempts and
+re-prefills them (in chunks too); the actor trains on packed sequences with chunked logits; the
+gate holds every step and the online drafter publishes a new version every step. Slow: ~4 min
+here."""
 
 from __future__ import annotations
 
