@@ -61,6 +61,7 @@ from fastdraft.engine.trace import RolloutTrace
 from fastdraft.engine.updates import BetweenSteps
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, HiddenStates, ModelConfig, load_model
+from fastdraft.models.tensor_parallel import TPRank
 
 OnFinish = Callable[[Completion], None]
 
@@ -81,7 +82,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                  tuner: TunerConfig | None = None, budget: BudgetConfig | None = None,
                  memory_reserve: int = 0, kv_block_size: int = KV_BLOCK_SIZE,
                  kv_blocks: int | None = None, paged_attention: str = "gather",
-                 prefill_chunk_tokens: int = 0) -> None:
+                 prefill_chunk_tokens: int = 0, tp: TPRank | None = None) -> None:
         """memory_reserve: bytes to leave free on the device for others sharing it (a run's
         actor rank 0: actor/memory_plan.py RunPlan.engine_reserve). kv_block_size: cells per
         block of the paged KV cache (0: static slots); kv_blocks: the pool's blocks (None:
@@ -89,7 +90,9 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         "gather" or "triton" (decode and verify steps read the blocks in place;
         model_runner.py). prefill_chunk_tokens > 0: no prefill forward computes more tokens;
         a longer prompt (or re-prefill) runs a chunk a step, decode steps between (0: one
-        forward per prefill batch, up to max_prefill_tokens and at least max_seq_len)."""
+        forward per prefill batch, up to max_prefill_tokens and at least max_seq_len). tp: this
+        process is rank tp.rank of a tensor-parallel replica (models/tensor_parallel.py): every
+        rank of it makes the same calls with the same arguments, in the same order."""
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         spec = spec or SpecConfig()
         envelope = Envelope.for_spec(max_seq_len or 4096, spec, tuner.arms if tuner else ())
@@ -100,9 +103,10 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                            capture_aux_layers=capture_aux_layers,
                            max_prefill_tokens=max_prefill_tokens, graphs=graphs,
                            kv_block_size=kv_block_size, kv_blocks=kv_blocks,
-                           prefill_chunk_tokens=prefill_chunk_tokens)
+                           prefill_chunk_tokens=prefill_chunk_tokens,
+                           tensor_parallel=tp.size if tp is not None else 1)
         check_engine_fits(plan, device, reserved=memory_reserve)
-        model = load_model(model_path, device, dtype, max_positions=envelope.rope_len)
+        model = load_model(model_path, device, dtype, max_positions=envelope.rope_len, tp=tp)
         self._init(model, max_batch_size, envelope, max_prefill_tokens,
                    generation_eos(Path(model_path)), drafter, spec, compile,
                    graphs, buckets, capture_aux_layers=capture_aux_layers, tuner=tuner,
@@ -168,6 +172,11 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
                 kv_blocks=kv_blocks, prefill_chunk_tokens=prefill_chunk_tokens)
         self.memory_plan = memory_plan
         self.tuner = check_tuner(tuner, spec)
+        if self.tuner is not None and model.tp is not None:
+            raise FastdraftError("rollout.tuner picks each step's tree by its measured time, "
+                                 "which differs between the ranks of a tensor-parallel replica "
+                                 "(they must decide alike): switch the tuner off with "
+                                 "rollout.tensor_parallel > 1")
         self.budget = LengthBudget(budget) if budget is not None and spec.enabled else None
         self.model = model
         self.config = model.config
@@ -241,6 +250,9 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         leaves fewer (but some) unfinished requests, and should_yield() agrees, the call
         stops: its unfinished requests go to `engine.last_migrated` (index order), and the
         list returned holds only the finished ones (then partial: use Completion.index)."""
+        if yield_below and self.model.tp is not None:
+            raise ValueError("a tensor-parallel replica's ranks cannot yield requests on a "
+                             "signal each reads by itself: no migration with tp")
         self.wake()   # memory given back while a colocated actor updated (engine/updates.py)
         requests = make_requests(prompt_token_ids, params, self.config.vocab_size,
                                  self.max_seq_len, self.eos_token_ids, stream_ids)

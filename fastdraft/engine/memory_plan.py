@@ -49,6 +49,7 @@ from fastdraft.engine.envelope import Envelope
 from fastdraft.engine.rng import Stream
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
+from fastdraft.models.tensor_parallel import TPRank, shard_config
 from fastdraft.utils.device_memory import GIB, Capacity, device_capacity, gb
 
 VERIFY_FP32_COPIES = 6
@@ -107,6 +108,12 @@ class EngineShape:
     kv_block_size: int = 0              # 0: static slots
     kv_blocks: int | None = None        # None: what static slots would hold
     prefill_chunk_tokens: int = 0       # > 0: a staging slot, no prefill forward over this
+    tensor_parallel: int = 1            # k: one rank of a replica over k (1/k of the KV heads)
+
+    @property
+    def local(self) -> ModelConfig:
+        """The policy as one rank holds it (models/tensor_parallel.py)."""
+        return shard_config(self.config, self.tensor_parallel)
 
     @property
     def kv_slots(self) -> int:
@@ -122,8 +129,8 @@ class EngineShape:
 
     @property
     def cell_bytes(self) -> int:
-        """Bytes of one cache cell: K and V of every layer."""
-        cfg = self.config
+        """Bytes of one cache cell: K and V of every layer (this rank's KV heads)."""
+        cfg = self.local
         return 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize * (
             cfg.num_hidden_layers)
 
@@ -166,7 +173,7 @@ class EngineShape:
 
     def _scratch(self) -> dict[str, int]:
         """graph_pool (captured stages, held for good) and step_scratch (eager, transient)."""
-        cfg, env, slots, width = self.config, self.envelope, self.num_slots, self.dtype.itemsize
+        cfg, env, slots, width = self.local, self.envelope, self.num_slots, self.dtype.itemsize
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -274,12 +281,13 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                 drafter: DrafterShape | None = None, capture_aux_layers: tuple[int, ...] = (),
                 max_prefill_tokens: int = 16384, graphs: bool | None = None,
                 kv_block_size: int = 0, kv_blocks: int | None = None,
-                prefill_chunk_tokens: int = 0) -> EnginePlan:
+                prefill_chunk_tokens: int = 0, tensor_parallel: int = 1) -> EnginePlan:
     """The plan of RolloutEngine(...) with these settings; drafter: the EAGLE drafter's shape
-    when spec drafts with one (None: no drafter memory is planned)."""
+    when spec drafts with one (None: no drafter memory is planned). tensor_parallel: the plan
+    of one rank of a replica over that many (the drafter is replicated on every rank)."""
     device = str(torch.device(device))
     with torch.device("meta"):   # shapes only: nothing is allocated
-        policy = CausalLM(config, envelope.rope_len)
+        policy = CausalLM(config, envelope.rope_len, TPRank(0, tensor_parallel))
         eagle = (build_drafter(drafter.kind, config, envelope.rope_len,
                                aux_layers=drafter.aux_layers, head_rows=drafter.head_rows)
                  if drafter is not None and spec.uses_drafter else None)
@@ -298,7 +306,8 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                         max_prefill_tokens=max(max_prefill_tokens, envelope.max_seq_len),
                         graphs=device.startswith("cuda") if graphs is None else graphs,
                         kv_block_size=kv_block_size, kv_blocks=kv_blocks,
-                        prefill_chunk_tokens=prefill_chunk_tokens)
+                        prefill_chunk_tokens=prefill_chunk_tokens,
+                        tensor_parallel=tensor_parallel)
     return shape.plan()
 
 
@@ -347,7 +356,8 @@ def plan_in_memory(model: CausalLM, proposer: object, drafter: str | Path | None
     proposer's drafter and caches."""
     param = next(model.parameters())
     plan = plan_engine(model.config, dtype=param.dtype, device=param.device,
-                       drafter=DrafterShape.read(drafter, proposer), **settings)
+                       drafter=DrafterShape.read(drafter, proposer),
+                       tensor_parallel=model.tp.size if model.tp is not None else 1, **settings)
     resident = plan.weights + (plan.drafter_weights + plan.drafter_kv
                                if proposer is not None else 0)
     check_engine_fits(plan, param.device, resident=resident)

@@ -42,7 +42,7 @@ class ModelRunner:
         self.model = pack_for_inference(model)
         self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
         self.compiled = compile
-        cfg = model.config
+        cfg = model.local_config   # (a tensor-parallel rank caches its own KV heads)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.envelope = envelope

@@ -47,9 +47,10 @@ class BetweenSteps:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
-        """Updates the policy in place (HF names); returns the new policy version."""
+        """Updates the policy in place (HF names, full tensors: a tensor-parallel rank takes
+        its slices); returns the new policy version."""
         self.wake()
-        load_named_tensors(self.model, named_tensors)
+        load_named_tensors(self.model, self.model.local_tensors(named_tensors))
         self.proposer.refresh()
         self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version

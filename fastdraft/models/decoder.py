@@ -3,7 +3,7 @@ DecoderLayer) the drafter. Module tree and parameter names mirror HF's *ForCausa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -13,6 +13,12 @@ from fastdraft.models.attn_meta import AttnMeta, GroupedAttn, KVView, PackedSeqs
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.layers import DecoderLayer, RMSNorm
 from fastdraft.models.rope import RotaryEmbedding
+from fastdraft.models.tensor_parallel import (
+    TPRank,
+    local_tensors,
+    shard_config,
+    use_row_parallel,
+)
 
 
 class HiddenStates(NamedTuple):
@@ -29,10 +35,20 @@ class DecoderBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    """tp: this model is one rank's slice of a tensor-parallel replica (models/
+    tensor_parallel.py). `config` is the whole model's (what drafters and checkpoints match),
+    `local_config` this rank's slice (1/k of the heads, KV heads and MLP features: what its
+    layers and KV cache hold); full tensors cross by `local_tensors`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None,
+                 tp: TPRank | None = None) -> None:
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.config = cfg
-        self.model = DecoderBody(cfg)
+        self.local_config = cfg if self.tp is None else shard_config(cfg, self.tp.size)
+        self.model = DecoderBody(self.local_config)
+        if self.tp is not None:
+            use_row_parallel(self.model.layers, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -43,6 +59,12 @@ class CausalLM(nn.Module):
         """Tied checkpoints store one matrix; re-tie after anything that rebuilds parameters."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def local_tensors(self, named: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors by HF name -> this model's (its tensor-parallel slices; as they are
+        without tensor parallelism)."""
+        return local_tensors(self.tp, named)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv: KVView | None = None,

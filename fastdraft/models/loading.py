@@ -13,6 +13,7 @@ from safetensors import safe_open
 from fastdraft.errors import FastdraftError
 from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
+from fastdraft.models.tensor_parallel import TPRank
 from fastdraft.utils.atomic import atomic_dir
 from fastdraft.utils.tensor_file import check_safetensors, save_tensors
 
@@ -72,17 +73,20 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, max_positions: int | None = None) -> CausalLM:
+               dtype: torch.dtype = torch.float32, max_positions: int | None = None,
+               tp: TPRank | None = None) -> CausalLM:
+    """tp: this rank's slice of a tensor-parallel replica (each tensor sliced as it is read)."""
     cfg = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     # Rotary tables are buffers computed at init: rebuild them on the real device.
     model.rope = type(model.rope)(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                   cfg.max_position_embeddings,
                                   max_positions or cfg.max_position_embeddings).to(device)
-    loaded = set(load_named_tensors(model, _skip_tied(iter_safetensors(model_dir), cfg)))
+    named = model.local_tensors(_skip_tied(iter_safetensors(model_dir), cfg))
+    loaded = set(load_named_tensors(model, named))
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     if missing:

@@ -129,7 +129,9 @@ def test_vllms_speculative_samples_follow_the_policys_law(served):
     """vLLM drafts by sampling from the drafter and verifies by the ratio test (as fastdraft's
     engine does): the first LAW_LENGTH tokens of many samples against the policy's exact law
     (chi-square), and against a law 20% colder, which the same samples must reject (the test
-    sees a shift that size)."""
+    sees a shift that size). vLLM draws its drafts from a generator the request's seed does not
+    set, so every run is a fresh sample: the level is 0.1% (at 1%, one correct run in a hundred
+    fails); the colder law is rejected by orders of magnitude more than its 1e-4."""
     vllm, native, prompts = served
     prompt, n = prompts[1], 3000
     outs = vllm.generate([prompt] * n, SamplingParams(temperature=1.0, seed=LAW_SEED,
@@ -138,7 +140,7 @@ def test_vllms_speculative_samples_follow_the_policys_law(served):
     observed = counts_of([c.token_ids for c in outs], LAW_LENGTH)
     stops = sorted(native.eos_token_ids)
     law, colder = (_law(native.model, prompt, t, stops) for t in (1.0, 0.8))
-    assert chi_square_pvalue(_or_other(observed, law), law) > 0.01
+    assert chi_square_pvalue(_or_other(observed, law), law) > 1e-3
     assert chi_square_pvalue(_or_other(observed, colder), colder) < 1e-4
 
 

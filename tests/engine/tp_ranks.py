@@ -1,0 +1,47 @@
+"""Runs a function on every rank of a tensor-parallel replica on this CPU: `size` spawned
+processes joined by a gloo group, one thread each; fn(TPRank, *args) runs on each and its
+results come back in rank order (torch.save'd)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastdraft.models.tensor_parallel import TPRank
+
+
+def run_ranks(size: int, fn: Callable[..., Any], *args: Any, workdir: Path,
+              timeout: float = 600) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    store = workdir / "tp-store"
+    store.unlink(missing_ok=True)
+    outs = [workdir / f"tp-rank{r}.pt" for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, size, str(store), fn, args, outs[rank]))
+             for rank in range(size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    assert codes == [0] * size, f"tensor-parallel ranks exited with {codes}"
+    return [torch.load(path, weights_only=False) for path in outs]
+
+
+def _rank_main(rank: int, size: int, store: str, fn: Callable[..., Any], args: tuple,
+               out: Path) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        torch.save(fn(TPRank(rank, size), *args), out)
+    finally:
+        dist.destroy_process_group()
