@@ -40,4 +40,5 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
              **({"--run-dir": work_dir} if hybrid else {})}
     host = make_engine("cpu", host=True)   # hybrid: the workers hold the policy, not the driver
     return RolloutPool(cfg.cluster, make_engine, head_only(host) if hybrid else host, device,
-                       cfg.rollout.group_size, actor=actor if hybrid else None, paths=paths)
+                       cfg.rollout.group_size, actor=actor if hybrid else None, paths=paths,
+                       tensor_parallel=cfg.rollout.tensor_parallel)

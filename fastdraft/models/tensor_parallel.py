@@ -35,19 +35,38 @@ _ROW = ("o_proj.weight", "down_proj.weight")
 
 @dataclass(frozen=True)
 class TPRank:
-    """This process's place in a tensor-parallel replica; group: the replica's process group
-    (None: the default group)."""
+    """This process's place in a tensor-parallel replica: rank `rank` of `size`. ranks: the
+    replica's ranks in the default process group (None: the default group is the replica).
+    The replica's group is made at its first collective, by its members alone: an engine is
+    built before the workers' process group exists."""
 
     rank: int
     size: int
-    group: dist.ProcessGroup | None = None
+    ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise FastdraftError(f"tensor-parallel rank {self.rank} is not in 0..{self.size - 1}")
+        if self.ranks is not None and len(self.ranks) != self.size:
+            raise ValueError(f"a replica of {self.size} ranks named {len(self.ranks)}")
 
-    def __deepcopy__(self, memo: dict) -> TPRank:   # (a process group is not copied)
-        return self
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        if self.ranks is None:
+            return None
+        if self.ranks not in _GROUPS:
+            _GROUPS[self.ranks] = dist.new_group(list(self.ranks),
+                                                 use_local_synchronization=True)
+        return _GROUPS[self.ranks]
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}   # replica ranks -> its process group
+
+
+def replica_of(rank: int, size: int) -> TPRank:
+    """Worker `rank`'s place when consecutive workers form replicas of `size`."""
+    first = rank - rank % size
+    return TPRank(rank % size, size, tuple(range(first, first + size)))
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:

@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from fastdraft.actor.rank import ActorSpec
+from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.config import RunConfig
 from fastdraft.engine import RolloutEngine
 from fastdraft.engine.paged_kv import kv_blocks_in
+from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
+from fastdraft.models.tensor_parallel import TPRank, shard_config
 from fastdraft.trainer.online_drafter import trainer_aux_layers
 from fastdraft.workers.actor_group import RayActorPeers
 from fastdraft.workers.hybrid_ranks import WorkerRanks
@@ -47,10 +50,13 @@ def connect_ray(cfg: RunConfig) -> bool:
 
 
 def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
-                 reserve: int, device: str, host: bool = False) -> RolloutEngine:
+                 reserve: int, device: str, host: bool = False, tp: TPRank | None = None
+                 ) -> RolloutEngine:
     """The run's rollout engine on `device`. host: the driver's replica of a Ray run (weights
-    only: one KV slot, eager, no tuner or budgets; it never generates)."""
+    only: one KV slot, eager, no tuner or budgets; it never generates). tp: this worker's rank
+    of a tensor-parallel replica (its paged cache of rollout.kv_cache_gb holds its KV heads)."""
     rollout = cfg.rollout
+    policy = ModelConfig.from_pretrained(policy_dir)
     return RolloutEngine(
         policy_dir, device=device, dtype=DTYPES[cfg.model.dtype],
         max_batch_size=1 if host else rollout.max_batch_size, max_seq_len=max_seq_len,
@@ -64,9 +70,9 @@ def build_engine(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max
         budget=rollout.budget.build() if rollout.budget.enabled and not host else None,
         kv_block_size=rollout.kv_block_size, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
         paged_attention="gather" if host else rollout.paged_attention,
-        kv_blocks=None if host else kv_blocks_in(rollout.kv_cache_gb,
-                                                 ModelConfig.from_pretrained(policy_dir),
-                                                 DTYPES[cfg.model.dtype], rollout.kv_block_size))
+        kv_blocks=None if host else kv_blocks_in(
+            rollout.kv_cache_gb, policy if tp is None else shard_config(policy, tp.size),
+            DTYPES[cfg.model.dtype], rollout.kv_block_size), tp=tp)
 
 
 def actor_ranks(cfg: RunConfig, pool: RolloutPool | None, workers: WorkerRanks | None
@@ -86,9 +92,15 @@ def actor_ranks(cfg: RunConfig, pool: RolloutPool | None, workers: WorkerRanks |
 def actor_device(cfg: RunConfig, pool: RolloutPool | None) -> str:
     """The actor's rank 0 (this process): model.device, or colocated on GPUs rollout worker
     0's GPU."""
-    if pool is not None and pool.colocated:
-        return pool.driver_device(cfg.model.device)
-    return cfg.model.device
+    if pool is None or not pool.colocated or not pool.device.startswith("cuda"):
+        return cfg.model.device
+    import ray
+    gpu, node = ray.get(pool.workers[0].gpu.remote())   # as this process numbers them: it
+    if node != ray.get_runtime_context().get_node_id():   # sees every GPU of its node
+        raise FastdraftError("cluster.placement=colocated: rollout worker 0 is on another node "
+                             "than the driver, whose process is the actor's rank 0; start "
+                             "the run on a node with GPUs of the cluster")
+    return cuda_name(gpu)
 
 
 def trainer_placement(cfg: RunConfig, pool: RolloutPool | None) -> dict[str, Any]:

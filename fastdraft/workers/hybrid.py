@@ -28,6 +28,7 @@ from fastdraft.actor.sharding import broadcast_flat, free_port
 from fastdraft.checkpoint import CheckpointManager, TrainState
 from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.errors import FastdraftError
+from fastdraft.models.tensor_parallel import replica_of
 from fastdraft.workers.rollout_worker import EngineFactory, RolloutWorker
 from fastdraft.workers.trainer_actor import TRAINER
 
@@ -68,9 +69,13 @@ def rendezvous() -> tuple[str, int]:
 
 class HybridWorker(RolloutWorker):
     def __init__(self, make_engine: EngineFactory, device: str, threads: int, spec: ActorSpec,
-                 rank: int, release_kv: bool | None = None) -> None:
-        """release_kv: give the KV cache back while the actor updates (default: on a GPU)."""
-        super().__init__(make_engine, device, threads)
+                 rank: int, release_kv: bool | None = None, tensor_parallel: int = 1) -> None:
+        """release_kv: give the KV cache back while the actor updates (default: on a GPU).
+        tensor_parallel k > 1: this worker's engine is rank rank % k of the replica that
+        workers rank - rank % k .. + k - 1 form (models/tensor_parallel.py); its weight sync
+        lands the slices of the gathered tensors that rank holds."""
+        super().__init__(make_engine, device, threads,
+                         replica_of(rank, tensor_parallel) if tensor_parallel > 1 else None)
         self.release_kv = device.startswith("cuda") if release_kv is None else release_kv
         self.checkpoints: CheckpointManager | None = None   # worker 0's writes
         self.member: Any = None   # the online drafter's trainer member (start_member)

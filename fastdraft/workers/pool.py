@@ -31,7 +31,6 @@ import torch
 from fastdraft.actor.rank import ActorSpec
 from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.node_checks import check_nodes
-from fastdraft.cluster.ray_cluster import cuda_name
 from fastdraft.cluster.reserve import (
     ACTOR_GPU_SHARE,
     TRAINER_GPU_SHARE,
@@ -74,13 +73,14 @@ class RolloutPool(HostFront):
 
     def __init__(self, cfg: ClusterConfig, make_engine: EngineFactory, host: RolloutEngine,
                  device: str, group_size: int, actor: ActorSpec | None = None,
-                 paths: dict[str, Path | None] | None = None) -> None:
+                 paths: dict[str, Path | None] | None = None, tensor_parallel: int = 1) -> None:
         """actor (cluster.placement=hybrid): every worker is a HybridWorker holding actor rank
         r beside its engine (workers/hybrid.py); the ranks rendezvous on worker 0's node.
         paths (setting -> path): what the workers load, checked on every worker's node before
-        any worker starts (cluster/node_checks.py)."""
+        any worker starts (cluster/node_checks.py). tensor_parallel k (hybrid): each k
+        consecutive workers serve one replica (the same calls on each; the first answers)."""
         self.cfg, self.make_engine, self.host = cfg, make_engine, host
-        self.group_size = group_size
+        self.group_size, self.tensor_parallel = group_size, tensor_parallel
         self.device = cfg.worker_device or ("cuda" if device.startswith("cuda") else device)
         self.bundle = worker_bundle(cfg, self.device)
         self.group = reserve([self.bundle] * cfg.rollout_workers, cfg.placement_timeout_s,
@@ -121,8 +121,10 @@ class RolloutPool(HostFront):
         cls = self._remote_class().options(
             num_cpus=self.bundle["CPU"], **self._in_bundle(index, share),
             name=None, max_restarts=0)
-        rank = () if self.actor is None else (self.actor, index)
-        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads, *rank)
+        if self.actor is None:
+            return cls.remote(self.make_engine, self.device, self.cfg.worker_threads)
+        return cls.remote(self.make_engine, self.device, self.cfg.worker_threads, self.actor,
+                          index, tensor_parallel=self.tensor_parallel)
 
     def _rendezvous(self, actor: ActorSpec) -> ActorSpec:
         """The actor spec with rank 0's address: worker 0's node as Ray names it, a port free
@@ -138,20 +140,6 @@ class RolloutPool(HostFront):
         if self.actor is None:
             raise RuntimeError("the pool's workers hold actor ranks only with hybrid placement")
         return WorkerRanks(self.workers, config)
-
-    def driver_device(self, device: str) -> str:
-        """The device this process (the actor's rank 0) computes on with colocated placement:
-        on GPUs worker 0's, as this process numbers them (it sees every GPU of its node,
-        the worker only its own); `device` elsewhere."""
-        import ray
-        if not self.device.startswith("cuda"):
-            return device
-        gpu, node = ray.get(self.workers[0].gpu.remote())
-        if node != ray.get_runtime_context().get_node_id():
-            raise FastdraftError("cluster.placement=colocated: rollout worker 0 is on another node "
-                                 "than the driver, whose process is the actor's rank 0; start "
-                                 "the run on a node with GPUs of the cluster")
-        return cuda_name(gpu)
 
     def actor_rank_options(self, rank: int) -> dict[str, Any]:
         """Where colocated actor rank `rank` (1..N-1) goes: rollout worker `rank`'s bundle and
@@ -204,18 +192,21 @@ class RolloutPool(HostFront):
         groups = [list(range(g, g + size)) for g in range(0, n, size)]
         costs = [self._lengths.get(prompt_key(prompt_token_ids[g[0]]), self._mean_length())
                  for g in groups]
-        owner = assign_groups(costs, len(self.workers), self.cfg.dispatch)
-        shares = [[i for g, w in zip(groups, owner) if w == k for i in g]
-                  for k in range(len(self.workers))]
+        tp = self.tensor_parallel
+        owner = assign_groups(costs, len(self.workers) // tp, self.cfg.dispatch)
+        shares = [[i for g, w in zip(groups, owner) if w == r for i in g]
+                  for r in range(len(self.workers) // tp)]
         capture = None if on_hidden is None else Capture(
             on_hidden.rl_step, on_hidden.budget_bytes, on_hidden.row_bytes)
         self.calls = call = RolloutCalls(self, prompt_token_ids, params, capture)
-        for k, share in enumerate(shares):
+        for r, share in enumerate(shares):
             if share:
-                call.submit(k, share, peers_busy=sum(map(bool, shares)) - 1)
+                call.submit_replica(range(r * tp, (r + 1) * tp), share,
+                                    peers_busy=sum(map(bool, shares)) - 1)
         start = time.time()
         results: list[Completion | None] = [None] * n
         done: list[tuple[int, WorkerRollout]] = []
+        followers: list[tuple[int, WorkerRollout]] = []
         training: dict[int, float] = {}   # worker -> when it was promoted to drafter training
         while call.pending:
             ready, _ = ray.wait(list(call.pending), num_returns=1)
@@ -225,6 +216,9 @@ class RolloutPool(HostFront):
                 part: WorkerRollout = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
                 call.rerun(k, ended.indices, err)
+                continue
+            if ended.follower:   # the replica's first rank answers for it
+                followers.append((k, part))
                 continue
             done.append((k, part))
             if on_hidden is not None:
@@ -241,7 +235,7 @@ class RolloutPool(HostFront):
                     and self.idle_hook(k)):
                 training[k] = time.time()
         self.last_trace, self.last_stats, self.last_spans = account(
-            done, training, start, time.time(), n)
+            done, training, start, time.time(), n, followers)
         self.last_parts = [part for _, part in done]
         self.last_migrated = call.migrated
         if self.colocated or self.hybrid:   # the actor's update comes next, on their devices

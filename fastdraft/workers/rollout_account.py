@@ -10,11 +10,15 @@ from fastdraft.workers.rollout_worker import WorkerRollout
 
 
 def account(done: list[tuple[int, WorkerRollout]], training: dict[int, float], start: float,
-            end: float, n: int) -> tuple[RolloutTrace, SpecStats, list[Span]]:
+            end: float, n: int, followers: list[tuple[int, WorkerRollout]] = ()
+            ) -> tuple[RolloutTrace, SpecStats, list[Span]]:
     """The rollout's trace (every worker's steps on one clock), spec statistics and each
     worker's generate / idle / train spans (a worker may have run more than one part: a
-    re-run share, or a tail nobody took)."""
-    trace, stats, spans = RolloutTrace(num_requests=n), SpecStats(), []
+    re-run share, or a tail nobody took). followers: the parts of tensor-parallel ranks past
+    their replica's first, which made the same steps: their spans only."""
+    trace, stats = RolloutTrace(num_requests=n), SpecStats()
+    spans = [Span(f"rollout{k}", "generate", max(part.start - start, 0.0),
+                  max(part.end - start, 0.0)) for k, part in followers]
     events = []
     by_worker: dict[int, list[WorkerRollout]] = {}
     for k, part in done:

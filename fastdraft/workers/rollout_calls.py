@@ -25,6 +25,7 @@ class WorkerCall:
     indices: list[int]
     ticket: int
     samples: Any = None
+    follower: bool = False   # a tensor-parallel rank past the first: its replica's leader answers
 
 
 class RolloutCalls:
@@ -39,15 +40,23 @@ class RolloutCalls:
         self.migrated = 0
 
     def submit(self, k: int, indices: list[int], peers_busy: int,
-               resume: list[MigratedRequest] = ()) -> None:
-        """Worker k generates `indices` from their prompts (and continues `resume`)."""
+               resume: list[MigratedRequest] = (), follower: bool = False) -> None:
+        """Worker k generates `indices` from their prompts (and continues `resume`). follower:
+        k is a tensor-parallel rank making the same calls as its replica's first, which alone
+        captures hidden states and answers."""
         fresh = [i for i in indices if i not in {m.index for m in resume}]
         ticket = next(self.pool.tickets)
         future, samples = self.pool.workers[k].generate.remote(
-            [self.prompts[i] for i in fresh], self.params, fresh, self.capture, resume=resume,
-            ticket=ticket, peers_busy=peers_busy,
-            yield_below=self.pool.cfg.consolidate_below if not resume else 0)
-        self.pending[future] = WorkerCall(k, list(indices), ticket, samples)
+            [self.prompts[i] for i in fresh], self.params, fresh,
+            None if follower else self.capture, resume=resume, ticket=ticket,
+            peers_busy=peers_busy, yield_below=self.pool.cfg.consolidate_below if not resume else 0)
+        self.pending[future] = WorkerCall(k, list(indices), ticket, samples, follower)
+
+    def submit_replica(self, workers: range, indices: list[int], peers_busy: int) -> None:
+        """The same call on every worker of a replica (one, or a tensor-parallel replica's
+        ranks, the first of which answers)."""
+        for k in workers:
+            self.submit(k, indices, peers_busy, follower=k != workers[0])
 
     def busy(self) -> set[int]:
         return {c.worker for c in self.pending.values()}

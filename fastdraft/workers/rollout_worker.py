@@ -29,8 +29,10 @@ from fastdraft.engine.capture import HiddenRecord
 from fastdraft.engine.migration import Inbox, MigratedRequest
 from fastdraft.engine.spec.stats import SpecStats
 from fastdraft.engine.trace import RolloutTrace
+from fastdraft.models.tensor_parallel import TPRank
 
-EngineFactory = Callable[[str], RolloutEngine]   # device -> a new engine (the run's settings)
+# (device, tp=None) -> a new engine with the run's settings (tp: its tensor-parallel rank)
+EngineFactory = Callable[..., RolloutEngine]
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,11 @@ HANDOFF = "handoff"   # the concurrency group of accept / peers: beside a runnin
 
 
 class RolloutWorker:
-    def __init__(self, make_engine: EngineFactory, device: str, threads: int) -> None:
+    def __init__(self, make_engine: EngineFactory, device: str, threads: int,
+                 tp: TPRank | None = None) -> None:
         if threads:   # a worker of N threads uses N cores: Ray placed it for that many
             torch.set_num_threads(threads)
-        self.engine = make_engine(device)
+        self.engine = make_engine(device) if tp is None else make_engine(device, tp=tp)
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}   # ticket -> a generate running or still queued
         self._ended = 0   # the last ticket whose generate ended (they run in ticket order)

@@ -97,6 +97,9 @@ class RolloutConfig:
     # of two).
     paged_attention: str = "gather"
     backend: str = "native"             # native: fastdraft's engine; vllm: vLLM (an extra)
+    # k > 1: an engine replica spans k hybrid workers (devices), each holding 1/k of every
+    # layer (models/tensor_parallel.py); the policy's KV heads must be a multiple of k.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         _require(not self.tuner.enabled or self.spec.enabled, "rollout.tuner.enabled needs a "
@@ -124,5 +127,13 @@ class RolloutConfig:
                  "paged_attention: triton reads a paged KV cache: set rollout.kv_block_size > 0")
         _require(self.paged_attention == "gather" or self.backend == "native", "rollout."
                  "paged_attention is the native engine's: vLLM picks its own attention")
+        _require(self.tensor_parallel >= 1, "rollout.tensor_parallel must be >= 1 (1: a "
+                 "replica a device)")
+        _require(self.tensor_parallel == 1 or not self.tuner.enabled, "rollout.tuner picks "
+                 "trees by measured time, which the ranks of a tensor-parallel replica would "
+                 "each measure alike only by chance: disable it with rollout.tensor_parallel > 1")
+        _require(self.tensor_parallel == 1 or self.backend == "native", "rollout."
+                 "tensor_parallel is the native engine's: with rollout.backend=vllm vLLM "
+                 "splits the policy by its own tensor_parallel_size")
 
 

@@ -89,6 +89,8 @@ class RunConfig:
                  f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} punishes the last "
                  f"tokens of the answer budget: it must be < rollout.max_new_tokens="
                  f"{self.rollout.max_new_tokens}")
+        if self.rollout.tensor_parallel > 1:
+            self._check_tensor_parallel()
         if self.rollout.backend == "vllm":
             self._check_vllm()
         method = self.rollout.spec.method
@@ -96,6 +98,19 @@ class RunConfig:
                  f"drafter.online.enabled trains the EAGLE drafter the rollouts serve, and "
                  f"rollout.spec.method={method} serves none: add drafter.online.enabled=false "
                  f"(or serve one: rollout.spec.method=eagle)")
+
+    def _check_tensor_parallel(self) -> None:
+        """A tensor-parallel replica spans consecutive hybrid workers (workers/hybrid.py)."""
+        tp, cluster = self.rollout.tensor_parallel, self.cluster
+        _require(cluster.backend == "ray" and cluster.placement == "hybrid",
+                 f"rollout.tensor_parallel={tp} spreads an engine replica over {tp} hybrid "
+                 "workers: set cluster.backend=ray cluster.placement=hybrid")
+        _require(cluster.rollout_workers % tp == 0,
+                 f"cluster.rollout_workers={cluster.rollout_workers} is not whole replicas of "
+                 f"rollout.tensor_parallel={tp}: use a multiple of {tp}")
+        _require(cluster.consolidate_below == 0, "cluster.consolidate_below moves a worker's "
+                 "tail to another, which the other ranks of its tensor-parallel replica cannot "
+                 "follow: set it to 0 with rollout.tensor_parallel > 1")
 
     def _check_vllm(self) -> None:
         """What rollout.backend=vllm serves (backends/vllm_rollout.py): fastdraft's own
