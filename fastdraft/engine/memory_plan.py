@@ -247,7 +247,9 @@ class EnginePlan:
         the parts."""
         s = self.shape
         head = (f"engine memory plan ({s.device}, {str(s.dtype).removeprefix('torch.')}, "
-                f"{s.num_slots} slots x {s.envelope.cache_len} cells): {gb(self.total)}")
+                f"{s.num_slots} slots x {s.envelope.cache_len} cells"
+                + (f", one rank of {s.tensor_parallel}" if s.tensor_parallel > 1 else "")
+                + f"): {gb(self.total)}")
         if capacity is not None:
             head += f" of {capacity.describe()}"
         kv = f"KV cache {gb(self.kv_cache)}"
@@ -268,6 +270,7 @@ class EnginePlan:
         return {"device": self.shape.device,
                 "dtype": str(self.shape.dtype).removeprefix("torch."),
                 "num_slots": self.shape.num_slots, "cache_len": self.shape.envelope.cache_len,
+                "tensor_parallel": self.shape.tensor_parallel,
                 "kv_block_size": self.shape.kv_block_size,
                 "kv_blocks": self.shape.num_kv_blocks if self.shape.kv_block_size else 0,
                 "weights": self.weights, "kv_cache": self.kv_cache,

@@ -69,21 +69,26 @@ def replica_of(rank: int, size: int) -> TPRank:
     return TPRank(rank % size, size, tuple(range(first, first + size)))
 
 
+_SPLIT = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tensor_parallel_sizes(cfg: ModelConfig, most: int) -> list[int]:
+    """The replica sizes up to `most` that split this model evenly."""
+    return [k for k in range(1, most + 1) if all(getattr(cfg, n) % k == 0 for n in _SPLIT)]
+
+
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """A replica of k ranks splits the heads, the KV heads and the MLP's features evenly;
     KV heads are split, never replicated (k must divide them)."""
     if size < 1:
         raise FastdraftError(f"rollout.tensor_parallel must be >= 1, got {size}")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in _SPLIT:
         value = getattr(cfg, name)
         if value % size:
-            fits = [k for k in range(1, value + 1) if all(
-                getattr(cfg, n) % k == 0 for n in ("num_attention_heads", "num_key_value_heads",
-                                                   "intermediate_size"))]
             raise FastdraftError(
                 f"rollout.tensor_parallel={size} does not divide the policy's {name} ({value}); "
                 f"tensor parallelism splits KV heads (it does not replicate them): use one of "
-                f"{fits}")
+                f"{tensor_parallel_sizes(cfg, max(size, cfg.num_key_value_heads))}")
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:

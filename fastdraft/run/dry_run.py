@@ -21,6 +21,7 @@ from fastdraft.engine.paged_kv import kv_blocks_in
 from fastdraft.errors import FastdraftError
 from fastdraft.export.imports import engine_layout
 from fastdraft.models import ModelConfig
+from fastdraft.models.tensor_parallel import shard_config, tensor_parallel_sizes
 from fastdraft.trainer.memory_plan import TrainerPlan
 from fastdraft.trainer.online_drafter import trainer_aux_layers
 from fastdraft.utils.device_memory import GB, Capacity, host_memory
@@ -30,10 +31,12 @@ DEFAULT_GPU_GB = 80.0
 
 
 def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
-             max_seq_len: int) -> RunPlan:
+             max_seq_len: int, tensor_parallel: int | None = None) -> RunPlan:
     """The plan of the engine and actor a Run builds from cfg: policy_dir's config.json,
-    drafter_dir's drafter_config.json (None: a drafter the run warms up, of drafter.kind)."""
+    drafter_dir's drafter_config.json (None: a drafter the run warms up, of drafter.kind).
+    tensor_parallel: instead of rollout.tensor_parallel (each worker's engine: one rank)."""
     model_config = ModelConfig.from_pretrained(policy_dir)
+    tp = tensor_parallel or cfg.rollout.tensor_parallel
     spec = cfg.rollout.spec
     tuner = (cfg.rollout.tuner.build(spec, cfg.seed, cfg.rollout.max_batch_size)
              if cfg.rollout.tuner.enabled else None)
@@ -44,8 +47,8 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
         device=cfg.model.device, spec=spec, drafter=drafter,
         capture_aux_layers=_trainer_capture(cfg, drafter_dir, drafter, model_config),
         graphs=cfg.rollout.graphs, kv_block_size=cfg.rollout.kv_block_size,
-        prefill_chunk_tokens=cfg.rollout.prefill_chunk_tokens,
-        kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, model_config,
+        prefill_chunk_tokens=cfg.rollout.prefill_chunk_tokens, tensor_parallel=tp,
+        kv_blocks=kv_blocks_in(cfg.rollout.kv_cache_gb, shard_config(model_config, tp),
                                getattr(torch, cfg.model.dtype), cfg.rollout.kv_block_size))
     actor = ActorPlan.of(model_config, cfg.actor, cfg.algorithm.kl_coef, max_seq_len=max_seq_len)
     hybrid = cfg.cluster.placement == "hybrid"
@@ -54,6 +57,19 @@ def plan_run(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
     on_cpu = engine.shape.device == "cpu"
     return RunPlan(engine=engine, actor=actor, hybrid=hybrid,
                    trainer=0 if trainer is None else trainer.total * (members if on_cpu else 1))
+
+
+def smallest_tensor_parallel(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None,
+                             max_seq_len: int, capacity_bytes: int) -> int | None:
+    """The fewest hybrid workers an engine replica can span for the run to fit (k divides
+    the workers and the policy's heads, KV heads and MLP features); None: none fits, or the
+    placement is not hybrid (only hybrid workers form tensor-parallel replicas)."""
+    if cfg.cluster.placement != "hybrid":
+        return None
+    workers = cfg.cluster.rollout_workers
+    sizes = tensor_parallel_sizes(ModelConfig.from_pretrained(policy_dir), workers)
+    return next((k for k in sizes if workers % k == 0 and plan_run(
+        cfg, policy_dir, drafter_dir, max_seq_len, k).fits(capacity_bytes)), None)
 
 
 def _trainer_capture(cfg: RunConfig, drafter_dir: Path | None, drafter: DrafterShape | None,

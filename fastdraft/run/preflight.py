@@ -88,12 +88,23 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
     else:
         drafter_dir = resolve_drafter(cfg, policy_dir, None if run_dir is None
                                       else run_dir.path / "imported-drafter")
-    from fastdraft.run.dry_run import plan_run
+    from fastdraft.run.dry_run import plan_run, smallest_tensor_parallel
     capacity = capacity or device_capacity(cfg.model.device)
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)
     print("\n".join([*(plan.engine.lines(capacity) if dry else ()), *plan.actor.lines(),
                      *plan.lines(capacity.usable)]))
-    check_run_plan(plan, capacity.usable)   # the trainer members' bytes too
+    tp = (smallest_tensor_parallel(cfg, policy_dir, drafter_dir, max_seq_len, capacity.usable)
+          if dry or not plan.fits(capacity.usable) else None)
+    if dry and tp is not None:
+        print(f"tensor parallelism: the fewest devices an engine replica fits on is {tp} "
+              f"(rollout.tensor_parallel={tp}; this recipe: {cfg.rollout.tensor_parallel})")
+    try:
+        check_run_plan(plan, capacity.usable)   # the trainer members' bytes too
+    except FastdraftError as err:
+        if tp is None or tp == cfg.rollout.tensor_parallel:
+            raise
+        raise FastdraftError(f"{err}; or split each engine replica over {tp} hybrid workers: "
+                             f"rollout.tensor_parallel={tp} fits") from None
     if run_dir is not None:
         check_free_space(run_dir, int(1.1 * plan.actor.host), "a checkpoint (fp32 weights and "
                          "AdamW moments)")

@@ -55,6 +55,13 @@ QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_s
                  num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
                  rope_theta=1e6, max_position_embeddings=32768, use_sliding_window=False,
                  tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643)
+QWEN25_32B = dict(QWEN25_7B, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                  num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5,
+                  max_position_embeddings=131072, eos_token_id=151643)
+QWEN25_72B = dict(QWEN25_32B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8)
+# Policies that fit no GPU: engine replicas over 8 GPUs (rollout.tensor_parallel), H200 nodes.
+TP_RECIPES = [("qwen2.5-32b-dapo.yaml", QWEN25_32B, 8), ("qwen2.5-72b-grpo.yaml", QWEN25_72B, 32)]
 GPU_RECIPES = [("qwen3-8b-grpo.yaml", QWEN3_8B), ("qwen2.5-7b-grpo.yaml", QWEN25_7B),
                ("qwen3-8b-dapo-16k.yaml", QWEN3_8B), ("qwen2.5-7b-dapo-16k.yaml", QWEN25_7B),
                ("qwen3-8b-dapo-32k.yaml", QWEN3_8B)]
@@ -230,3 +237,37 @@ def test_the_8b_recipe_plans_a_specforge_drafter_from_its_files(tmp_path, capsys
     assert _dry_run("qwen3-8b-grpo.yaml", "--device-memory-gb", "80", *paths,
                     f"drafter.path={src}") == 2
     assert "max_position_embeddings: drafter 2048, policy 40960" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,hf,ranks", TP_RECIPES)
+def test_tensor_parallel_recipes_fit_h200_nodes_and_not_80_gb_ones(name, hf, ranks, tmp_path,
+                                                                   capsys):
+    """32B and 72B: every GPU holds an eighth of an engine replica beside its actor rank and a
+    drafter trainer member. On 141 GB GPUs the plan fits and names 8 as the fewest devices a
+    replica fits on; on 80 GB the fp32 masters, AdamW state and gradients (16 bytes a
+    parameter over the ranks) leave no room."""
+    paths = _local_paths(tmp_path, hf)
+    plan_file = tmp_path / "plan.json"
+    assert _dry_run(name, "--device-memory-gb", "141", "--json", str(plan_file), *paths) == 0
+    out = capsys.readouterr().out
+    assert "one rank of 8)" in out and f"{ranks} hybrid workers" in out
+    assert "the fewest devices an engine replica fits on is 8" in out
+    plan = json.loads(plan_file.read_text())
+    assert plan["engine"]["tensor_parallel"] == 8 and plan["actor"]["num_ranks"] == ranks
+    assert plan["device0_bytes"] <= plan["usable_bytes"]
+    cfg = load_recipe(RECIPES_DIR / name)
+    assert cfg.rollout.tensor_parallel == 8 and cfg.cluster.rollout_workers == ranks
+    assert cfg.drafter.kind == "eagle3" and cfg.drafter.online.enabled
+    assert _dry_run(name, "--device-memory-gb", "80", *paths) == 2
+    assert "more than the 76.0 GB usable on a device" in capsys.readouterr().err
+    # a replica over fewer GPUs does not fit: the refusal names the fewest that do
+    assert _dry_run(name, "--device-memory-gb", "141", "rollout.tensor_parallel=4", *paths) == 2
+    assert "rollout.tensor_parallel=8 fits" in capsys.readouterr().err
+
+
+def test_the_32b_recipe_is_dapo():
+    cfg = load_recipe(RECIPES_DIR / "qwen2.5-32b-dapo.yaml")
+    assert cfg.algorithm.loss == "dapo" and cfg.algorithm.skip_zero_variance
+    assert (cfg.algorithm.clip_eps, cfg.algorithm.clip_high) == (0.2, 0.28)
+    assert cfg.rollout.max_new_tokens == 20480 and cfg.algorithm.overlong_buffer == 4096
+    assert cfg.rollout.group_size == 16 and cfg.actor.lr == 1e-6
