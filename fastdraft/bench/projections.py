@@ -20,6 +20,10 @@ H100_7B = UnitCosts(step_base_s=7.07e-3, step_row_s=1500 * 57e3 / 3.35e12, verif
 H100_32B = UnitCosts(step_base_s=7.07e-3 * 32.8 / 7.6, step_row_s=1500 * 262e3 / 3.35e12,
                      verify_factor=1.11, draft_levels=6, draft_level_s=0.044 * 7.07e-3 * 32.8 / 7.6,
                      prefill_token_s=2e-5 * 32.8 / 7.6)
+# 32B fits no 80 GB GPU beside an actor shard (recipes/qwen2.5-32b-dapo.yaml): its engines are
+# tensor-parallel over 4 GPUs, two all-reduces a layer (64 layers) of a decode step's hidden
+# states (~1 MB) at ~20 us on NVLink (an assumption, not a measurement).
+TP_32B, LAYERS_32B, ALL_REDUCE_S = 4, 64, 20e-6
 
 
 def run_projections(gpu_json: Path | None, json_path: Path | None = None) -> dict[str, Any]:
@@ -34,7 +38,9 @@ def run_projections(gpu_json: Path | None, json_path: Path | None = None) -> dic
 def projection_lines(out: dict[str, Any]) -> list[str]:
     lines = [f"  projections ({out['projections']['source']}):"]
     for row in out["projections"]["rows"]:
-        lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3} {row['mode']:<17} "
+        tp = f" tp{row['tensor_parallel']}" if row.get("tensor_parallel", 1) > 1 else "    "
+        lines.append(f"    [projection] {row['model']:>3} x{row['workers']:<3}{tp} "
+                     f"{row['mode']:<17} "
                      f"step {row['step_s']:7.1f}s idle {row['idle_fraction']:.2f} speedup vs "
                      f"plain {row['speedup_vs_plain']:.2f}")
     if "layouts" in out:
@@ -82,4 +88,8 @@ def model_projections(gpu_json: Path | None) -> dict[str, Any]:
         source = "H100 floors at the 7B shape (7.07 ms decode, verify 1.11, draft level 0.044); " \
                  "32B scaled by parameters; no GPU measured in this run"
         models = {"7B": H100_7B, "32B": H100_32B}
-    return {"label": "projection", "source": source, "rows": projections(models)}
+    models["32B"] = models["32B"].over_ranks(TP_32B, LAYERS_32B, ALL_REDUCE_S)
+    source += f"; 32B engines tensor-parallel over {TP_32B} GPUs ({ALL_REDUCE_S * 1e6:.0f} us " \
+              "an all-reduce, assumed)"
+    return {"label": "projection", "source": source,
+            "rows": projections(models, tensor_parallel={"32B": TP_32B})}

@@ -240,7 +240,7 @@ def projections(costs_by_model: dict[str, UnitCosts], workers: Iterable[int] = (
                 prompt_tokens: int = 512, max_batch: int = 128, dispatch: str = "balance",
                 consolidate_below: int = 8, train_s_per_refresh: float = 120.0,
                 accept_by_staleness: AcceptTable = DEFAULT_ACCEPT,
-                seed: int = 0) -> list[dict]:
+                tensor_parallel: dict[str, int] | None = None, seed: int = 0) -> list[dict]:
     """Every mode for every model and worker count on synthetic steps, as rows {model, workers,
     mode, step_s, rollout_s, idle_fraction, train_s, accept_length, migrated,
     speedup_vs_plain, label: "projection"} (means over the steps; train_s and migrated per
@@ -248,20 +248,24 @@ def projections(costs_by_model: dict[str, UnitCosts], workers: Iterable[int] = (
     requests a worker, all in one batch of max_batch 128), answers of mean 1500 tokens with
     p99 / mean 5 up to 16384 (`long_tail_lengths`), 512-token prompts, a tail handed off under
     8 rows, and 120 idle GPU-seconds (two GPU-minutes) to refresh the drafter. The same
-    synthetic steps go to every model at a worker count."""
+    synthetic steps go to every model at a worker count. tensor_parallel (model -> k): that
+    model's engines span k of the `workers` devices each (its costs those of a k-device
+    replica), each running k times the rows."""
     rows = []
     for count in workers:
         shapes = [StepShape(long_tail_lengths(count * prompts_per_worker * group_size,
                                               group_size, mean_tokens, p99_over_mean, max_len,
                                               seed=seed * 1_000_003 + count * 1009 + step),
                             group_size, prompt_tokens) for step in range(steps)]
-        cfg = SimConfig(workers=count, max_batch=max_batch, dispatch=dispatch,
-                        consolidate_below=consolidate_below,
-                        train_s_per_refresh=train_s_per_refresh)
         for model, costs in costs_by_model.items():
+            tp = (tensor_parallel or {}).get(model, 1)
+            cfg = SimConfig(workers=max(count // tp, 1), max_batch=max_batch * tp,
+                            dispatch=dispatch, consolidate_below=consolidate_below,
+                            train_s_per_refresh=train_s_per_refresh)
             summary = summarize(simulate_run(shapes, costs, cfg, accept_by_staleness))
             for mode, row in summary.items():
-                rows.append({"model": model, "workers": count, "mode": mode,
+                rows.append({"model": model, "workers": count, "tensor_parallel": tp,
+                             "mode": mode,
                              **{k: row[k] for k in ("step_s", "rollout_s", "idle_fraction",
                                                     "accept_length")},
                              "train_s": row["train_s"] / steps,

@@ -61,6 +61,18 @@ class UnitCosts:
         """A speculative step (draft tree, verify, accept, commit) over `rows` rows."""
         return self.step_s(rows) * self.verify_factor + self.draft_levels * self.draft_level_s
 
+    def over_ranks(self, k: int, layers: int, all_reduce_s: float) -> UnitCosts:
+        """The costs of a replica tensor-parallel over k devices (models/tensor_parallel.py):
+        each reads 1/k of the weights and of a row's KV, and every forward adds two all-reduces
+        a layer; the drafter (replicated) costs what it did."""
+        if k < 1 or layers < 1 or all_reduce_s < 0:
+            raise FastdraftError(f"over_ranks: k ({k}) and layers ({layers}) must be >= 1, "
+                                 f"all_reduce_s ({all_reduce_s}) >= 0")
+        return UnitCosts(**{**self.__dict__,
+                            "step_base_s": self.step_base_s / k + 2 * layers * all_reduce_s,
+                            "step_row_s": self.step_row_s / k,
+                            "prefill_token_s": self.prefill_token_s / k})
+
     @classmethod
     def fit(cls, rows: list[int], seconds: list[float], **rest: Any) -> UnitCosts:
         """The least-squares line `seconds = base + row * rows` through measured engine steps,

@@ -16,8 +16,9 @@ from tests.cluster.test_simulator import bench_payload
 def test_simulate_projects_from_the_gpu_json_alone(tmp_path, monkeypatch, capsys):
     seen = {}
 
-    def fake_projections(models):
+    def fake_projections(models, tensor_parallel):
         seen.update(models)
+        seen["tp"] = tensor_parallel
         return [{"model": m, "workers": 8, "mode": "plain", "step_s": 1.0, "idle_fraction": 0.5,
                  "speedup_vs_plain": 1.0, "label": "projection"} for m in models]
     monkeypatch.setattr(projections, "projections", fake_projections)
@@ -31,7 +32,11 @@ def test_simulate_projects_from_the_gpu_json_alone(tmp_path, monkeypatch, capsys
     assert seen["7B"].step_base_s == pytest.approx(measured.step_base_s)
     assert seen["7B"].verify_factor == pytest.approx(measured.verify_factor)
     assert seen["7B"].prefill_token_s == projections.H100_7B.prefill_token_s   # not measured
-    assert seen["32B"].step_base_s == pytest.approx(measured.step_base_s * 32.8 / 7.6)
+    # 32B: scaled by parameters, its engines tensor-parallel over TP_32B GPUs
+    tp, all_reduces = projections.TP_32B, 2 * projections.LAYERS_32B
+    assert seen["tp"] == {"32B": tp}
+    assert seen["32B"].step_base_s == pytest.approx(
+        measured.step_base_s * 32.8 / 7.6 / tp + all_reduces * projections.ALL_REDUCE_S)
     written = json.loads(out_json.read_text())["projections"]
     assert str(gpu_json) in written["source"] and len(written["rows"]) == 2
     assert "[projection]  7B x8" in capsys.readouterr().out

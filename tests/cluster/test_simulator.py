@@ -10,6 +10,7 @@ import pytest
 
 from fastdraft.cluster.dispatch import assign_groups
 from fastdraft.cluster.simulator import (
+    DEFAULT_ACCEPT,
     MODES,
     SimConfig,
     StepShape,
@@ -23,6 +24,7 @@ from fastdraft.cluster.simulator import (
     summarize,
     timeline_spans,
 )
+from fastdraft.errors import FastdraftError
 
 # One second an engine step whatever the batch, no drafter cost: step counts read as seconds.
 UNIT = UnitCosts(step_base_s=1.0, step_row_s=0.0, verify_factor=1.0, draft_level_s=0.0)
@@ -298,3 +300,30 @@ def test_summary_timeline_and_projection_rows():
     assert [r["mode"] for r in rows] == list(MODES)
     assert all(r["label"] == "projection" and r["workers"] == 2 for r in rows)
     assert rows[0]["speedup_vs_plain"] == 1.0 and rows[1]["speedup_vs_plain"] > 1.0
+
+
+def test_a_tensor_parallel_replica_reads_a_kth_of_the_weights_and_pays_its_all_reduces():
+    costs = UnitCosts(step_base_s=8e-3, step_row_s=4e-5, draft_levels=6, draft_level_s=3e-4,
+                      prefill_token_s=2e-5)
+    tp = costs.over_ranks(4, layers=64, all_reduce_s=20e-6)
+    assert tp.step_base_s == pytest.approx(2e-3 + 2 * 64 * 20e-6)
+    assert tp.step_row_s == pytest.approx(1e-5) and tp.prefill_token_s == pytest.approx(5e-6)
+    assert tp.draft_level_s == costs.draft_level_s   # the drafter is replicated, not split
+    with pytest.raises(FastdraftError, match="k"):
+        costs.over_ranks(0, 64, 0.0)
+
+
+def test_projections_of_a_tensor_parallel_model_run_a_replica_per_k_devices():
+    """4 devices at TP 2: the steps of 2 engines of twice the rows, on the TP costs."""
+    costs = UnitCosts(step_base_s=0.01, step_row_s=1e-4, draft_levels=3, draft_level_s=1e-3)
+    kw = dict(steps=2, prompts_per_worker=2, group_size=4, mean_tokens=50.0, max_len=400,
+              prompt_tokens=8, consolidate_below=2, max_batch=8)
+    tp = costs.over_ranks(2, 4, 1e-4)
+    rows = projections({"m": tp}, workers=(4,), tensor_parallel={"m": 2}, **kw)
+    assert {r["tensor_parallel"] for r in rows} == {2}
+    shapes = [StepShape(long_tail_lengths(4 * 2 * 4, 4, 50.0, 5.0, 400,
+                                          seed=4 * 1009 + step), 4, 8) for step in range(2)]
+    two = summarize(simulate_run(shapes, tp, SimConfig(workers=2, max_batch=16,
+                                                       consolidate_below=2),
+                                   DEFAULT_ACCEPT))
+    assert rows[0]["step_s"] == pytest.approx(two["plain"]["step_s"])
