@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """The options, grouped by the benches that read them (`fastdraft bench --help`)."""
     p.add_argument("which", choices=["engine", "spec", "gpu", "recipe", "drafter", "rollout",
-                                     "cluster", "hybrid", "kv", "update"],
+                                     "cluster", "hybrid", "kv", "update", "tp"],
                    help="what to benchmark")
     p.add_argument("recipe_args", nargs="*", default=[],
                    help="recipe, drafter, rollout, cluster, hybrid, kv: RECIPE.yaml "
@@ -35,7 +35,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=16,
                    help="prompts per row, rolled out batch_size at a time")
     g = p.add_argument_group("engine (and spec, gpu where named)")
-    g.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16")
+    g.add_argument("--batch-sizes", default=None, help="engine: 1,16; spec: 1,4,16; tp: 1,8")
     g.add_argument("--no-compile", action="store_true",
                    help="engine: skip the torch.compile'd engine rows (saves ~1 min); "
                         "gpu: measure without torch.compile")
@@ -113,6 +113,14 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_gpu(args, dtype)
     if args.which == "update":
         return _bench_update(args)
+    if args.which == "tp":
+        from fastdraft.bench.tp_bench import TPBench, run_tp_bench
+        sizes = _positive_ints(args.batch_sizes or "1,8", "--batch-sizes")
+        if args.repeats < 1 or args.max_new_tokens < 1:
+            raise FastdraftError("--repeats and --max-new-tokens must be >= 1")
+        run_tp_bench(TPBench(batch_sizes=sizes, repeats=args.repeats,
+                             new_tokens=min(args.max_new_tokens, 512)), args.json)
+        return 0
     if args.which == "cluster" and args.simulate:
         from fastdraft.bench.projections import projection_lines, run_projections
         print("\n".join(projection_lines(run_projections(args.gpu_json, args.json))))

@@ -16,8 +16,8 @@ from fastdraft.config.engine import SpecConfig
 from fastdraft.drafter.warmup import WarmupConfig, warmup_drafter
 from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig, load_model
+from fastdraft.models.local_ranks import run_ranks
 from fastdraft.models.tensor_parallel import TPRank, check_tensor_parallel, local_tensor
-from tests.engine.tp_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 SPEC = SpecConfig(method="eagle", depth=4, topk=2, tokens_to_verify=8)

@@ -9,6 +9,7 @@ import pytest
 
 from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.config.engine import SpecConfig
+from fastdraft.models.local_ranks import run_ranks
 from fastdraft.models.tensor_parallel import TPRank
 from tests.engine.spec.stat_utils import chi_square_pvalue, counts_of
 from tests.engine.spec.test_engine_lossless_stats import (
@@ -18,7 +19,6 @@ from tests.engine.spec.test_engine_lossless_stats import (
     SEED,
     _expected,
 )
-from tests.engine.tp_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(temperature=1.0, seed=SEED, max_new_tokens=LENGTH, ignore_eos=True)
