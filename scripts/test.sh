@@ -32,5 +32,6 @@ if [ $# -eq 0 ] && [ -z "${FASTDRAFT_SKIP_VLLM:-}" ]; then
     FASTDRAFT_REQUIRE_VLLM=1 "$VLLM_VENV/bin/python" -m pytest -q --durations=5 \
         tests/backends/test_vllm_rollout.py \
         tests/backends/test_vllm_speculators.py \
-        tests/backends/test_vllm_run.py
+        tests/backends/test_vllm_run.py \
+        tests/backends/test_vllm_tp.py
 fi

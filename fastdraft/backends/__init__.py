@@ -15,12 +15,13 @@ from fastdraft.engine import RolloutEngine
 
 def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], policy_dir: Path,
                   drafter_dir: Path | None, work_dir: Path, max_seq_len: int,
-                  actor: Any = None) -> Any:
+                  actor: Any = None, memory_reserve: int = 0) -> Any:
     """The run's rollout engine: fastdraft's own in this process (cluster.backend=local) or
     replicas on Ray actors behind a RolloutPool (ray; Ray is up: run/placement.connect_ray),
     or vLLM (rollout.backend=vllm); each has the engine's interface. make_engine(device,
     host=False): a native engine. actor (an ActorSpec; cluster.placement=hybrid): the workers
-    hold the actor's ranks too."""
+    hold the actor's ranks too. memory_reserve: what vLLM leaves of device 0 (the run's
+    RunPlan.engine_reserve; the native engine's factory has it already)."""
     device = cfg.model.device
     if cfg.rollout.backend == "vllm":
         from fastdraft.backends.vllm_rollout import VllmRollout
@@ -29,7 +30,9 @@ def build_rollout(cfg: RunConfig, make_engine: Callable[..., RolloutEngine], pol
                            device=device, max_seq_len=max_seq_len,
                            max_batch_size=rollout.max_batch_size, dtype=cfg.model.dtype,
                            seed=cfg.seed, spec_depth=rollout.spec.depth,
-                           kv_cache_gb=rollout.kv_cache_gb)
+                           kv_cache_gb=rollout.kv_cache_gb,
+                           tensor_parallel=rollout.tensor_parallel,
+                           memory_reserve=memory_reserve)
     if cfg.cluster.backend == "local":
         return make_engine(device)
     from fastdraft.workers.hybrid import head_only

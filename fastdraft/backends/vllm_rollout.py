@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from fastdraft.backends.vllm_args import cpu_thread_binding, vllm_engine_args
 from fastdraft.backends.vllm_stats import spec_stats_of
 from fastdraft.backends.vllm_worker import serve_positions
 from fastdraft.config.engine import SpecConfig
@@ -56,7 +57,10 @@ class VllmRollout(HostFront):
 
     def __init__(self, host: RolloutEngine, policy_dir: Path, drafter_dir: Path | None,
                  work_dir: Path, *, device: str, max_seq_len: int, max_batch_size: int, dtype: str,
-                 seed: int, spec_depth: int, kv_cache_gb: float | None = None) -> None:
+                 seed: int, spec_depth: int, kv_cache_gb: float | None = None,
+                 tensor_parallel: int = 1, memory_reserve: int = 0) -> None:
+        """tensor_parallel: vLLM's tensor_parallel_size; memory_reserve: bytes of device 0
+        the run keeps (backends/vllm_args.py)."""
         import os
 
         from vllm import LLM
@@ -78,21 +82,24 @@ class VllmRollout(HostFront):
             speculative = {"method": kind, "model": str(export),
                            "num_speculative_tokens": spec_depth,
                            "draft_sample_method": "probabilistic"}
-        cpu = {}
         if device == "cpu":   # vLLM's CPU build sizes its KV cache from this (GiB)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(math.ceil(kv_cache_gb or 1)))
-            # A prompt prefilled in chunks has its chunk's sampled token discarded and its
-            # seeded generator rewound (set_offset), which CPU generators refuse: whole prompts
-            cpu = {"enable_chunked_prefill": False,
-                   "max_num_batched_tokens": max(max_seq_len, 8192)}
+            if tensor_parallel > 1:   # a worker's threads on its own cores
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(
+                    list(os.sched_getaffinity(0)), tensor_parallel))
+        gpu = device.startswith("cuda")
         self.llm = LLM(
             model=str(policy_dir), dtype=dtype, seed=seed, max_model_len=max_seq_len,
             hf_overrides=partial(serve_positions, max_seq_len),   # the drafter's too
-            max_num_seqs=max_batch_size, enforce_eager=True, speculative_config=speculative,
-            logprobs_mode="processed_logprobs",
+            speculative_config=speculative, logprobs_mode="processed_logprobs",
             # every finished request's verify steps (backends/vllm_stats.py)
             per_request_spec_decode_metrics="summary" if speculative else "none",
-            worker_extension_cls=WORKER_EXTENSION, **cpu)
+            worker_extension_cls=WORKER_EXTENSION,
+            **vllm_engine_args(device=device, tensor_parallel=tensor_parallel,
+                               max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                               memory_reserve=memory_reserve, device_bytes=(
+                                   torch.cuda.get_device_properties(device).total_memory
+                                   if gpu else None)))
         self.fixed_cpu_kernels = any(self.llm.collective_rpc("fastdraft_fix_cpu_kernels"))
         self.last_trace, self.last_stats = RolloutTrace(), SpecStats()
         self.requests = 0   # vLLM request ids are unique over the engine's life

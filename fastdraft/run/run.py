@@ -103,7 +103,8 @@ class Run:
         make_engine = partial(build_engine, cfg, self.policy_dir, drafter_dir, max_seq_len,
                               self.memory_plan.engine_reserve)
         self.engine: Rollout = build_rollout(cfg, make_engine, self.policy_dir, drafter_dir,
-                                             run_dir, max_seq_len, actor=actor_spec)
+                                             run_dir, max_seq_len, actor=actor_spec,
+                                             memory_reserve=self.memory_plan.engine_reserve)
         # A Ray pool's own face: its workers' timeline, the hybrid weight sync and ranks.
         self.pool = self.engine if isinstance(self.engine, RolloutPool) else None
         # The checkpoint's state (the RNGs come back here, after the engine's build).

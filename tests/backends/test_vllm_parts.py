@@ -82,3 +82,45 @@ def test_a_requests_spec_stats_come_from_its_verify_step_histogram():
     assert stats.num_accepted == 2 + 12 + 4
     assert stats.accept_length == pytest.approx(1 + 18 / 10)   # vLLM's and fastdraft's definition
     assert stats.accepted_by_pos == [7, 5, 5, 1] and stats.drafted_by_pos == [10] * 4
+
+
+def test_vllms_engine_arguments_tensor_parallel_graphs_and_memory_share():
+    """The CPU build: eager, whole prompts; a GPU: CUDA graphs on and the share of each device
+    the run's memory plan leaves vLLM (not vLLM's 0.9 beside an actor rank), refused when
+    nothing worth serving is left."""
+    from fastdraft.backends.vllm_args import MARGIN, vllm_engine_args
+    from fastdraft.errors import FastdraftError
+    cpu = vllm_engine_args(device="cpu", tensor_parallel=2, max_batch_size=16, max_seq_len=400)
+    assert cpu["tensor_parallel_size"] == 2 and cpu["enforce_eager"]
+    assert not cpu["enable_chunked_prefill"] and "gpu_memory_utilization" not in cpu
+    gpu = vllm_engine_args(device="cuda", tensor_parallel=4, max_batch_size=64,
+                           max_seq_len=4096, memory_reserve=30 * 10**9, device_bytes=80 * 10**9)
+    assert gpu["tensor_parallel_size"] == 4 and gpu["enforce_eager"] is False
+    assert gpu["gpu_memory_utilization"] == pytest.approx(50 / 80 - MARGIN, abs=1e-3)
+    assert gpu["max_num_seqs"] == 64 and "enable_chunked_prefill" not in gpu
+    with pytest.raises(FastdraftError, match="leaves vLLM"):
+        vllm_engine_args(device="cuda", tensor_parallel=1, max_batch_size=8, max_seq_len=512,
+                         memory_reserve=70 * 10**9, device_bytes=80 * 10**9)
+
+
+def test_a_vllm_run_hands_vllm_the_recipes_tensor_parallel_and_the_plans_reserve(
+        monkeypatch, tmp_path):
+    from fastdraft import backends
+    from fastdraft.backends import vllm_rollout
+    seen = {}
+    monkeypatch.setattr(vllm_rollout, "VllmRollout",
+                        lambda host, *a, **kw: seen.update(kw) or "vllm")
+    cfg = load_recipe(RECIPE, ["rollout.backend=vllm", "rollout.tensor_parallel=2",
+                               "drafter.online.source=actor"])
+    assert backends.build_rollout(cfg, lambda *a, **k: None, tmp_path, None, tmp_path, 400,
+                                  memory_reserve=123) == "vllm"
+    assert seen["tensor_parallel"] == 2 and seen["memory_reserve"] == 123
+
+
+def test_vllms_cpu_workers_get_cores_of_their_own():
+    from fastdraft.backends.vllm_args import cpu_thread_binding
+    from fastdraft.errors import FastdraftError
+    assert cpu_thread_binding([1, 0], 2) == "0|1"
+    assert cpu_thread_binding(list(range(8)), 2) == "0,1,2,3|4,5,6,7"
+    with pytest.raises(FastdraftError, match=r"lower rollout\.tensor_parallel"):
+        cpu_thread_binding([0], 2)

@@ -97,8 +97,9 @@ class RolloutConfig:
     # of two).
     paged_attention: str = "gather"
     backend: str = "native"             # native: fastdraft's engine; vllm: vLLM (an extra)
-    # k > 1: an engine replica spans k hybrid workers (devices), each holding 1/k of every
-    # layer (models/tensor_parallel.py); the policy's KV heads must be a multiple of k.
+    # k > 1: an engine replica spans k devices, each holding 1/k of every layer: native, k
+    # hybrid workers (models/tensor_parallel.py; k must divide the policy's KV heads); vllm,
+    # vLLM's tensor_parallel_size.
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -132,8 +133,5 @@ class RolloutConfig:
         _require(self.tensor_parallel == 1 or not self.tuner.enabled, "rollout.tuner picks "
                  "trees by measured time, which the ranks of a tensor-parallel replica would "
                  "each measure alike only by chance: disable it with rollout.tensor_parallel > 1")
-        _require(self.tensor_parallel == 1 or self.backend == "native", "rollout."
-                 "tensor_parallel is the native engine's: with rollout.backend=vllm vLLM "
-                 "splits the policy by its own tensor_parallel_size")
 
 

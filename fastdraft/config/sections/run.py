@@ -89,7 +89,7 @@ class RunConfig:
                  f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} punishes the last "
                  f"tokens of the answer budget: it must be < rollout.max_new_tokens="
                  f"{self.rollout.max_new_tokens}")
-        if self.rollout.tensor_parallel > 1:
+        if self.rollout.tensor_parallel > 1 and self.rollout.backend == "native":
             self._check_tensor_parallel()
         if self.rollout.backend == "vllm":
             self._check_vllm()
