@@ -61,6 +61,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type")
+        if any(hf.get(key) for key in _EXPERT_KEYS) or "moe" in str(model_type):
+            raise FastdraftError(f"config.json: {model_type!r} is a mixture-of-experts model; "
+                                 "fastdraft runs dense decoders only (Qwen2 / Qwen2.5, Qwen3, "
+                                 "Llama 3.x): choose a dense policy")
         if model_type not in FAMILIES:
             raise FastdraftError(f"config.json: model_type {model_type!r} is not supported; "
                                  f"supported: {', '.join(sorted(FAMILIES))}")
@@ -132,6 +136,10 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     return float(theta), scaling
 
+
+# A mixture-of-experts config names its experts by one of these (Qwen2-/Qwen3-MoE, Mixtral,
+# DeepSeek, Llama 4).
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 FamilyReader = Callable[[dict[str, Any]], dict[str, bool]]
 FAMILIES: dict[str, FamilyReader] = {}

@@ -107,3 +107,23 @@ def test_column_and_row_slices():
     assert torch.equal(local_tensor(tp, "model.layers.3.mlp.down_proj.weight", w), w[:, 3:])
     assert torch.equal(local_tensor(tp, "model.layers.3.self_attn.o_proj.bias", w[0]), w[0])
     assert torch.equal(local_tensor(tp, "lm_head.weight", w), w)
+
+
+def _greedy(tp: TPRank | None, path: Path, prompts: list[list[int]]) -> list:
+    engine = RolloutEngine(path, max_batch_size=4, max_seq_len=64, tp=tp)
+    return engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_tp2_serves_llama_and_qwen2_as_tp1_does(model_type, tmp_path):
+    """The other dense families (Llama 3.x: no biases; Qwen2 / 2.5: q/k/v biases, sliced with
+    their rows)."""
+    from tests.conftest import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path / "policy", model_type, seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (4, 11, 23)]
+    one = _greedy(None, tmp_path / "policy", prompts)
+    two = run_ranks(2, _greedy, tmp_path / "policy", prompts, workdir=tmp_path)[0]
+    assert _tokens(two) == _tokens(one)
+    for a, b in zip(two, one):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5

@@ -38,6 +38,11 @@ def test_missing_weights_and_bad_config_are_named(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         ModelConfig.from_hf_dict({**cfg, "model_type": "gpt2"})
+    for moe in ({"model_type": "qwen3_moe", "num_experts": 128},
+                {"model_type": "mixtral", "num_local_experts": 8},
+                {"model_type": "qwen2", "num_experts": 60}):
+        with pytest.raises(ValueError, match="mixture-of-experts model; fastdraft runs dense"):
+            ModelConfig.from_hf_dict({**cfg, **moe})
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
         ModelConfig.from_hf_dict({**cfg, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
