@@ -1,11 +1,14 @@
 """HybridWorker: one process per device (a Ray actor) holding that device's actor rank (FSDP2
 shard, fp32 masters, AdamW; actor/rank.py) beside a full engine replica in the serving dtype
-(workers/rollout_worker.py: generate, tails, drafter weights). The workers are the actor's
-ranks (workers/hybrid_ranks.py carries the driver's calls to them) and every one rolls out.
+(workers/rollout_worker.py: generate, tails, drafter weights), or with rollout.tensor_parallel
+k one rank of a replica that k consecutive workers form (models/tensor_parallel.py). The
+workers are the actor's ranks (workers/hybrid_ranks.py carries the driver's calls to them) and
+every one rolls out.
 
 Weight sync stays on the device: after the update every worker gathers the full parameters
 from the FSDP2 shards (an all-gather among the workers per FSDP unit) straight into its own
-engine, cast to the serving dtype as they land (`engine.load_weights` copies in place): no host
+engine, cast to the serving dtype as they land (`engine.load_weights` copies in place; a
+tensor-parallel rank copies its slices): no host
 copy, no object store, no driver on the path. Between rollout and update the engine gives back
 its KV cache only (on a GPU: the update needs the memory; the weights stay). Checkpoints are
 sharded: every worker writes its shard of the masters and AdamW state, worker 0 the rest and

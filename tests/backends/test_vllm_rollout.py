@@ -35,9 +35,8 @@ def _cfg(*overrides: str):
                                 "logging.wandb.mode=disabled", *overrides])
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(VllmRollout, a native engine on the same weights, prompts) for the module."""
+def serve(work: Path, tensor_parallel: int = 1):
+    """(VllmRollout at tensor_parallel, a native engine on the same weights, 16 prompts)."""
     from fastdraft.backends.vllm_rollout import VllmRollout
     # fastdraft's engine drafting the chain vLLM drafts: comparable acceptance
     cfg = _cfg("model.dtype=float32", "rollout.max_batch_size=16", *CHAIN)
@@ -45,15 +44,22 @@ def served(tmp_path_factory):
     drafter = resolve_drafter(cfg, policy)
     native = build_engine(cfg, policy, drafter, SEQ, 0, "cpu")
     vllm = VllmRollout(build_engine(cfg, policy, drafter, SEQ, 0, "cpu", host=True), policy,
-                       drafter, tmp_path_factory.mktemp("vllm"), device="cpu", max_seq_len=SEQ,
-                       max_batch_size=16, dtype="float32", seed=0, spec_depth=4,
-                       kv_cache_gb=1)
+                       drafter, work, device="cpu", max_seq_len=SEQ, max_batch_size=16,
+                       dtype="float32", seed=0, spec_depth=4, kv_cache_gb=1,
+                       tensor_parallel=tensor_parallel)
     from transformers import AutoTokenizer
 
     from fastdraft.data.prompts import PromptSource
     prompts = PromptSource(cfg.data, AutoTokenizer.from_pretrained(policy), 240)
+    return vllm, native, [it.ids for it in prompts.batch(0, 16)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(VllmRollout, a native engine on the same weights, prompts) for the module."""
+    vllm, native, prompts = serve(tmp_path_factory.mktemp("vllm"))
     assert vllm.fixed_cpu_kernels   # (the CPU build: docs/vllm-backend.md)
-    yield vllm, native, [it.ids for it in prompts.batch(0, 16)]
+    yield vllm, native, prompts
     vllm.close()
 
 

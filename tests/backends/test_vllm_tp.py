@@ -8,32 +8,17 @@ from __future__ import annotations
 import pytest
 
 from fastdraft.engine import SamplingParams
-from fastdraft.run.inputs import resolve_drafter, resolve_policy
-from fastdraft.run.placement import build_engine
 from tests.backends.needs_vllm import needs_vllm
-from tests.backends.test_vllm_rollout import CHAIN, SEQ, _cfg
+from tests.backends.test_vllm_rollout import serve
 
 needs_vllm()
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm")]
 
 
 def test_vllm_at_tensor_parallel_2_serves_what_the_native_engine_does(tmp_path):
-    from transformers import AutoTokenizer
-
-    from fastdraft.backends.vllm_rollout import VllmRollout
-    from fastdraft.data.prompts import PromptSource
-    cfg = _cfg("model.dtype=float32", "rollout.max_batch_size=16", *CHAIN)
-    policy = resolve_policy(cfg, None)
-    drafter = resolve_drafter(cfg, policy)
-    native = build_engine(cfg, policy, drafter, SEQ, 0, "cpu")
-    vllm = VllmRollout(build_engine(cfg, policy, drafter, SEQ, 0, "cpu", host=True), policy,
-                       drafter, tmp_path, device="cpu", max_seq_len=SEQ, max_batch_size=16,
-                       dtype="float32", seed=0, spec_depth=4, kv_cache_gb=1,
-                       tensor_parallel=2)
+    vllm, native, prompts = serve(tmp_path, tensor_parallel=2)
     try:
         assert vllm.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
-        prompts = [it.ids for it in PromptSource(cfg.data, AutoTokenizer.from_pretrained(
-            policy), 240).batch(0, 16)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=160)
         ours, theirs = native.generate(prompts, greedy), vllm.generate(prompts, greedy)
         same = sum(a.token_ids == b.token_ids for a, b in zip(ours, theirs))
