@@ -2,8 +2,8 @@
 are 1040-1200 tokens, prefilled in chunks of 256 between decode steps, and its answers run past
 1000 tokens (every problem asks for 1041-1201); a paged KV pool they outgrow preempts and
 re-prefills them (in chunks too); the actor trains on packed sequences with chunked logits; the
-gate holds every step and the online drafter publishes a new version every step. Slow: ~4 min
-here."""
+gate holds every step and the online drafter publishes a new version every step. Slow: 4-6 min
+here, alone."""
 
 from __future__ import annotations
 
