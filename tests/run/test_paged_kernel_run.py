@@ -23,7 +23,8 @@ from fastdraft.run.loop import train_step
 from fastdraft.run.run import Run
 from tests.run.test_loop import _cfg
 run = Run(_cfg(sys.argv[1], "rollout.paged_attention=triton", "rollout.kv_block_size=8",
-               "rollout.spec.method=suffix", "algorithm.num_steps=2"), Path(sys.argv[2]))
+               "rollout.spec.method=suffix", "algorithm.num_steps=2", "rollout.prompts_per_step=1",
+               "checkpoint.every=2"), Path(sys.argv[2]))
 kernel, calls = run.engine.runner.paged_attention, [0]
 def counted(*args):
     calls[0] += 1
