@@ -156,7 +156,9 @@ class ActorRank:
         together when the norm is not finite, or zero: Adam would still move by momentum)."""
         lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.unscale(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.actor.grad_clip)
+        clip = self.spec.actor.grad_clip   # None: not clipped (inf: the norm is still measured)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              float("inf") if clip is None else clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         scale = self.scaler.scale
         applied = self.scaler.step(self.optimizer, norm)

@@ -8,8 +8,9 @@ size. A speculative method's name is checked against the proposers registered wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
+from fastdraft.config.sections.common import OutOfRange, Range, check_ranges
 from fastdraft.errors import FastdraftError
 
 #: Cells per block of the paged KV cache (engine/paged_kv.py); 0 in a recipe: static slots.
@@ -17,6 +18,16 @@ KV_BLOCK_SIZE = 16
 
 #: The multi-source method: EAGLE's tree with the suffix drafter's candidates grafted in.
 MERGED = "eagle+suffix"
+
+#: The largest tree a SpecConfig takes (levels, children a node, nodes verified a request).
+MAX_DEPTH, MAX_TOPK, MAX_TOKENS_TO_VERIFY = 64, 64, 4096
+
+
+def tree_capacity(depth: int, topk: int) -> int:
+    """Nodes an EAGLE expansion of this shape draws (engine/spec/draft_layout.py): the root's
+    topk children, then topk children of each of the topk nodes expanded per level; the most
+    a tree of it can verify."""
+    return topk + (depth - 1) * topk * topk
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,20 +37,22 @@ class SpecConfig:
     depth: draft levels; topk: children per expanded node and nodes expanded per level;
     tokens_to_verify: tree nodes sent to the policy per request (the verify width)."""
 
+    SECTION: ClassVar[str] = "rollout.spec"
+
     method: str = "none"
-    depth: int = 5
-    topk: int = 4
-    tokens_to_verify: int = 16
+    # Generous caps: a tree of 64 levels, 64 x 64 candidates a level, is far past any that
+    # pays; what lies beyond is a typo, named here rather than by a memory plan.
+    depth: Annotated[int, Range(ge=1, le=MAX_DEPTH)] = 5
+    topk: Annotated[int, Range(ge=1, le=MAX_TOPK)] = 4
+    tokens_to_verify: Annotated[int, Range(ge=1, le=MAX_TOKENS_TO_VERIFY)] = 16
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.method != "none":   # the proposers registered with the engine, looked up
             from fastdraft.engine.spec.setup import known_methods
             if self.method not in known_methods():
                 raise FastdraftError(f"unknown spec method {self.method!r}; choose one of "
                                      f"{known_methods()}")
-        if self.depth < 1 or self.topk < 1 or self.tokens_to_verify < 1:
-            raise FastdraftError("depth, topk and tokens_to_verify must be >= 1, got "
-                                 f"{self.depth}, {self.topk}, {self.tokens_to_verify}")
 
     @property
     def enabled(self) -> bool:
@@ -71,7 +84,10 @@ def parse_arm(name: str) -> SpecConfig:
     except ValueError:
         raise FastdraftError(f"arm {name!r}: expected 'off' or 'method/depth/topk/tokens_to_verify'"
                              ", e.g. 'eagle/6/3/12'") from None
-    return SpecConfig(method=method, depth=depth, topk=topk, tokens_to_verify=nodes)
+    try:
+        return SpecConfig(method=method, depth=depth, topk=topk, tokens_to_verify=nodes)
+    except OutOfRange as err:
+        raise FastdraftError(f"arm {name!r}: {err.field} {err.requirement}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,12 +1,14 @@
 """YAML recipes <-> RunConfig. Keys map 1:1 onto the dataclass fields; an unknown key is an error
 that names the closest valid one; `section.key=value` overrides (command line) apply before the
 sections are built, so they are checked the same way. Values are coerced to the field's type
-(YAML reads `3e-6` as a string, for one)."""
+(YAML reads `3e-6` as a string, for one); a key given twice in one mapping is refused (YAML
+would keep the last and drop the first without a word)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -54,7 +56,7 @@ def _read_recipe(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"recipe {file} not found (bundled ones are in recipes/)")
     try:
-        data = yaml.safe_load(file.read_text())
+        data = _load_yaml(file.read_text(), f"recipe {file}")
     except yaml.YAMLError as err:
         raise FastdraftError(f"recipe {file} is not valid YAML: {err}") from None
     if data is None:
@@ -77,7 +79,69 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise FastdraftError(f"override {item!r}: {part!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = _load_yaml(raw, f"override {item!r}", key.strip(), lines=False) \
+            if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise FastdraftError(f"override {item!r}: the value is not valid YAML: {err}") from None
+    node[parts[-1]] = value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, at any depth (a section
+    twice, a key twice inside one): PyYAML keeps the last and drops the first silently. The
+    error names `label` (the file or override), the dotted key and both lines."""
+
+    where_label = "recipe"
+    key_prefix = ""
+    with_lines = True
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_unique(node, self.key_prefix, set())
+        return super().construct_document(node)
+
+    def _check_unique(self, node: yaml.Node, where: str, seen: set[int]) -> None:
+        if id(node) in seen:       # an alias of a node already checked
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique(item, f"{where}[{i}]", seen)
+            return
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first: dict[Any, yaml.Node] = {}
+        children = []
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *base`: overriding is its job
+                continue
+            try:
+                key = self.construct_object(key_node, deep=True)
+                hash(key)
+            except (yaml.YAMLError, TypeError):
+                continue            # an unhashable key: construction says what is wrong
+            name = _join(where, str(key))
+            if key in first:
+                section = isinstance(value_node, yaml.MappingNode)
+                at = (f" (lines {first[key].start_mark.line + 1} and "
+                      f"{key_node.start_mark.line + 1})" if self.with_lines else "")
+                raise FastdraftError(
+                    f"{self.where_label}: {'section' if section else 'key'} {name!r} appears "
+                    f"twice{at}: {'merge them into one' if section else 'keep one'}")
+            first[key] = key_node
+            children.append((value_node, name))
+        for value_node, name in children:   # this level's keys first, then each section's
+            self._check_unique(value_node, name, seen)
+
+
+def _load_yaml(text: str, label: str, prefix: str = "", lines: bool = True) -> Any:
+    """yaml.safe_load, refusing duplicate keys (named under `prefix`, e.g. an override's key)."""
+    loader = _UniqueKeyLoader(text)
+    loader.where_label, loader.key_prefix, loader.with_lines = label, prefix, lines
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def build(cls: type, data: Any, where: str, base: Any = None) -> Any:
@@ -162,18 +226,53 @@ def _coerce(hint: Any, value: Any, name: str, current: Any = None) -> Any:
             raise FastdraftError(f"{name} must be true or false, got {value!r}")
         return value
     if hint in (int, float):
-        try:
-            out = hint(value)
-        except (TypeError, ValueError):
-            raise FastdraftError(f"{name} must be a number, got {value!r}") from None
-        if hint is int and out != value and not (isinstance(value, str) and str(out) == value):
-            raise FastdraftError(f"{name} must be an integer, got {value!r}")
-        return out
+        return _number(hint, value, name)
     if hint is str:
+        if isinstance(value, bool):
+            raise FastdraftError(
+                f"{name} must be a string, got {_yaml_word(value)}: YAML reads yes / no / on / "
+                "off / true / false unquoted as a boolean; quote the value (in a recipe "
+                "key: \"yes\", on the command line key='\"yes\"')")
         if not isinstance(value, str | int | float):
             raise FastdraftError(f"{name} must be a string, got {value!r}")
         return str(value)
     return value
+
+
+def _number(hint: type, value: Any, name: str) -> int | float:
+    """value as an int or float field takes it: a bool is not a number (YAML reads yes / true as
+    one), '3e-6' (YAML 1.1 reads e-notation without a dot as text) is, and an integral one
+    ('1e3', 1000.0) is an int; the field's Range then says what it may be."""
+    if isinstance(value, bool):
+        raise FastdraftError(f"{name} must be a number, got {_yaml_word(value)}")
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip()) if hint is int else float(value)
+        except ValueError:
+            try:
+                number = float(value)
+            except ValueError:
+                raise FastdraftError(f"{name} must be a number, got {value!r}") from None
+    elif not isinstance(value, int | float):
+        raise FastdraftError(f"{name} must be a number, got {value!r}")
+    if hint is float:
+        try:
+            return float(number)
+        except OverflowError:      # an int beyond any float
+            raise FastdraftError(f"{name} is out of range: {value!r} is beyond the largest "
+                                 "float") from None
+    if isinstance(number, float):
+        if not math.isfinite(number):
+            raise FastdraftError(f"{name} must be a finite integer, got {value!r}")
+        if not number.is_integer():
+            raise FastdraftError(f"{name} must be an integer, got {value!r}")
+        number = int(number)
+    return number
+
+
+def _yaml_word(value: bool) -> str:
+    return "true" if value else "false"
 
 
 def _join(where: str, key: str) -> str:

@@ -39,9 +39,10 @@ def test_the_8b_recipe_with_the_bundled_trace(tmp_path):
 
 def test_prompt_blocks_are_held_once_a_group(tmp_path):
     trace = _trace(tmp_path, prompt_length=320)           # 20 full blocks, no partial one
-    solo = concurrency(load_recipe(EIGHT_B, ["rollout.group_size=1"]), trace, 16)
+    pair = concurrency(load_recipe(EIGHT_B, ["rollout.group_size=2"]), trace, 16)
     group = concurrency(load_recipe(EIGHT_B, ["rollout.group_size=8"]), trace, 16)
-    assert solo["paged_cells_per_request"] - group["paged_cells_per_request"] == 20 * 16 * 7 / 8
+    assert pair["paged_cells_per_request"] - group["paged_cells_per_request"] == (
+        20 * 16 * (1 / 2 - 1 / 8))
 
 
 def test_a_trace_without_its_lengths_is_refused(tmp_path):

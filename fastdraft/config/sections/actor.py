@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
-from fastdraft.config.sections.common import DTYPES
+from fastdraft.config.sections.common import DTYPES, Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 
 
@@ -25,29 +26,28 @@ class ActorConfig:
     by length. logits_chunk_tokens: answer tokens whose logits exist at once in the update,
     the gate's statistics and the reference's logprobs (the backward makes them again; 0: a
     whole micro-batch's at once); a prompt's logits are never made
-    (algo/answer_scores.py)."""
+    (algo/answer_scores.py). grad_clip: the global gradient norm is clipped to it (None: not
+    clipped, the norm still measured)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    updates_per_step: int = 1
-    micro_batch_tokens: int = 8192
+    SECTION: ClassVar[str] = "actor"
+
+    lr: Annotated[float, Range(gt=0)] = 1e-5
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0
+    betas: Annotated[tuple[float, float], Range(ge=0, lt=1)] = (0.9, 0.999)
+    warmup_steps: Annotated[int, Range(ge=0, note="0: the full lr from the first step")] = 0
+    grad_clip: Annotated[float | None, Range(gt=0, note="no clipping")] = 1.0
+    updates_per_step: Annotated[int, Range(ge=1)] = 1
+    micro_batch_tokens: Annotated[int, Range(ge=1)] = 8192
     compute_dtype: str = "float32"
-    num_ranks: int = 1
+    num_ranks: Annotated[int, Range(ge=1)] = 1
     activation_checkpointing: bool = False
     pack_sequences: bool = True
-    logits_chunk_tokens: int = 4096
+    logits_chunk_tokens: Annotated[int, Range(ge=0, note="0: a micro-batch's logits at once")] \
+        = 4096
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "actor.lr must be > 0")
-        _require(self.updates_per_step >= 1 and self.micro_batch_tokens >= 1,
-                 "actor.updates_per_step and actor.micro_batch_tokens must be >= 1")
+        check_ranges(self)
         _require(self.compute_dtype in DTYPES, f"actor.compute_dtype must be one of {DTYPES}, "
                  f"got {self.compute_dtype!r}")
-        _require(self.num_ranks >= 1, "actor.num_ranks must be >= 1")
-        _require(self.logits_chunk_tokens >= 0, "actor.logits_chunk_tokens must be >= 0 (0: a "
-                 f"micro-batch's logits at once), got {self.logits_chunk_tokens}")
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
+from fastdraft.config.sections.common import Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 from fastdraft.errors import FastdraftError
 
@@ -22,25 +23,19 @@ class GateSection:
     false alarm ~2e-9 a step; None: no law check), judged from law_min_tokens sampled
     tokens on."""
 
-    mean_tolerance: float | None = None
-    quantile: float = 0.99
-    quantile_tolerance: float | None = None
-    max_tolerance: float | None = None
-    max_share: float | None = None
-    law_z_threshold: float | None = 6.0
-    law_min_tokens: int = 128
+    SECTION: ClassVar[str] = "algorithm.gate"
+
+    mean_tolerance: Annotated[float | None, Range(gt=0, note="from the dtypes")] = None
+    quantile: Annotated[float, Range(ge=0.5, lt=1, note="a high quantile, e.g. 0.99; the max "
+                                     "has its own limit")] = 0.99
+    quantile_tolerance: Annotated[float | None, Range(gt=0, note="from the dtypes")] = None
+    max_tolerance: Annotated[float | None, Range(gt=0, note="from the dtypes")] = None
+    max_share: Annotated[float | None, Range(ge=0, lt=1, note="from the dtypes")] = None
+    law_z_threshold: Annotated[float | None, Range(gt=0, note="no law check")] = 6.0
+    law_min_tokens: Annotated[int, Range(ge=1)] = 128
 
     def __post_init__(self) -> None:
-        for name in ("mean_tolerance", "quantile_tolerance", "max_tolerance", "law_z_threshold"):
-            value = getattr(self, name)
-            _require(value is None or value > 0, f"algorithm.gate.{name} must be > 0 or null "
-                     f"(null: {'no law check' if name == 'law_z_threshold' else 'from the dtypes'})"
-                     f", got {value}")
-        _require(0.5 <= self.quantile < 1, f"algorithm.gate.quantile must be in [0.5, 1) (a "
-                 f"high quantile, e.g. 0.99; the max has its own limit), got {self.quantile}")
-        _require(self.max_share is None or 0 <= self.max_share < 1, "algorithm.gate.max_share "
-                 f"must be in [0, 1) or null (null: from the dtypes), got {self.max_share}")
-        _require(self.law_min_tokens >= 1, "algorithm.gate.law_min_tokens must be >= 1")
+        check_ranges(self)
 
 
 _OPTION_OWNERS = {"scale_std": "advantage", "clip_high": "loss"}   # field -> its registry
@@ -74,30 +69,24 @@ class AlgorithmConfig:
     DAPO's soft overlong punishment over the last this many tokens of the budget
     (algo/overlong.py). gate: the lossless gate's limits (GateSection)."""
 
-    num_steps: int = 20
+    SECTION: ClassVar[str] = "algorithm"
+
+    num_steps: Annotated[int, Range(ge=1)] = 20
     advantage: str = "grpo"
     scale_std: bool | None = None       # None: the estimator's default
     loss: str = "grpo"
-    clip_eps: float = 0.2
-    clip_high: float | None = None      # None: the loss's default
-    kl_coef: float = 0.0
+    clip_eps: Annotated[float, Range(gt=0, lt=1)] = 0.2
+    clip_high: Annotated[float | None, Range(ge=0, note="the loss's default")] = None
+    kl_coef: Annotated[float, Range(ge=0, note="0: no KL term")] = 0.0
     aggregation: str | None = None      # None: the advantage's preset or the loss's default
     skip_zero_variance: bool = False
-    resample_rounds: int = 0
+    resample_rounds: Annotated[int, Range(ge=0, note="0: no resampling")] = 0
     overlong_filter: bool = False
-    overlong_buffer: int = 0
+    overlong_buffer: Annotated[int, Range(ge=0, note="0: no soft overlong punishment")] = 0
     gate: GateSection = field(default_factory=GateSection)
 
     def __post_init__(self) -> None:
-        _require(self.num_steps >= 1, "algorithm.num_steps must be >= 1")
-        _require(self.kl_coef >= 0 and 0 < self.clip_eps < 1, "algorithm.kl_coef must be >= 0 "
-                 "and clip_eps in (0, 1)")
-        _require(self.clip_high is None or self.clip_high >= 0,
-                 "algorithm.clip_high must be >= 0")
-        _require(self.overlong_buffer >= 0, f"algorithm.overlong_buffer must be >= 0 (0: no "
-                 f"soft overlong punishment), got {self.overlong_buffer}")
-        _require(self.resample_rounds >= 0, "algorithm.resample_rounds must be >= 0 (0: no "
-                 f"resampling), got {self.resample_rounds}")
+        check_ranges(self)
         _require(not self.resample_rounds or self.skip_zero_variance, "algorithm."
                  "resample_rounds refills the groups skip_zero_variance drops: set "
                  "algorithm.skip_zero_variance=true, or resample_rounds=0")

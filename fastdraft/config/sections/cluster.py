@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
+from fastdraft.config.sections.common import Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 
 BACKENDS = ("local", "ray")
@@ -53,43 +55,37 @@ class ClusterConfig:
     every worker's bundle; the idle workers' members train together, gradients all-reduced:
     workers/trainer_group.py)."""
 
+    SECTION: ClassVar[str] = "cluster"
+
     backend: str = "local"
-    rollout_workers: int = 1
+    rollout_workers: Annotated[int, Range(ge=1)] = 1
     address: str | None = None
-    connect_timeout_s: float = 30.0
-    placement_timeout_s: float = 120.0
-    worker_threads: int = 1
+    connect_timeout_s: Annotated[float, Range(gt=0, note="seconds")] = 30.0
+    placement_timeout_s: Annotated[float, Range(gt=0, note="seconds")] = 120.0
+    worker_threads: Annotated[int, Range(ge=0, note="0: torch's default")] = 1
     worker_device: str | None = None
-    gpus_per_worker: float = 1.0
+    gpus_per_worker: Annotated[float, Range(gt=0, le=1, note="a worker's engine runs on one "
+                                            "GPU; 0.5 puts two on one")] = 1.0
     dispatch: str = "balance"
-    max_worker_restarts: int = 3
-    max_actor_restarts: int = 2
-    push_bucket_mb: float = 512.0
-    consolidate_below: int = 0
+    max_worker_restarts: Annotated[int, Range(ge=0)] = 3
+    max_actor_restarts: Annotated[int, Range(ge=0)] = 2
+    push_bucket_mb: Annotated[float, Range(gt=0)] = 512.0
+    consolidate_below: Annotated[int, Range(ge=0, note="0: off")] = 0
     placement: str = "separate"
     drafter_training: str = "one"
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         _require(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got "
                  f"{self.backend!r}")
-        _require(self.connect_timeout_s > 0 and self.placement_timeout_s > 0,
-                 "cluster.connect_timeout_s and placement_timeout_s must be > 0 (seconds)")
-        _require(self.rollout_workers >= 1, "cluster.rollout_workers must be >= 1")
         _require(self.backend == "ray" or self.rollout_workers == 1,
                  f"cluster.rollout_workers={self.rollout_workers} needs cluster.backend=ray "
                  "(the local backend runs one engine)")
-        _require(self.worker_threads >= 0, "cluster.worker_threads must be >= 0 (0: torch's "
-                 "default)")
-        _require(0 < self.gpus_per_worker <= 1, "cluster.gpus_per_worker must be in (0, 1] "
-                 f"(a worker's engine runs on one GPU; 0.5 puts two on one), got "
-                 f"{self.gpus_per_worker}")
         _require(self.gpus_per_worker == 1 or self.backend == "ray",
                  f"cluster.gpus_per_worker={self.gpus_per_worker} shares GPUs among Ray "
                  "rollout workers: set cluster.backend=ray")
         _require(self.dispatch in DISPATCH, f"cluster.dispatch must be one of {DISPATCH}, got "
                  f"{self.dispatch!r}")
-        _require(self.push_bucket_mb > 0, "cluster.push_bucket_mb must be > 0")
-        _require(self.consolidate_below >= 0, "cluster.consolidate_below must be >= 0 (0: off)")
         _require(self.consolidate_below == 0 or self.rollout_workers >= 2,
                  f"cluster.consolidate_below={self.consolidate_below} moves a worker's tail to "
                  "another worker: set cluster.backend=ray and cluster.rollout_workers >= 2, or "
@@ -104,5 +100,3 @@ class ClusterConfig:
         _require(self.drafter_training == "one" or self.backend == "ray",
                  "cluster.drafter_training=data_parallel trains on the Ray rollout workers: "
                  "set cluster.backend=ray")
-        _require(self.max_worker_restarts >= 0 and self.max_actor_restarts >= 0,
-                 "cluster.max_worker_restarts and max_actor_restarts must be >= 0")

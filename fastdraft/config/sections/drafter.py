@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
 
+from fastdraft.config.sections.common import Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 
 
@@ -65,46 +67,42 @@ class OnlineDrafterConfig:
     fallback to plain decoding, the newest trained drafter is tried again every this many steps
     (0: the fallback is final, and nothing is captured or trained from then on)."""
 
+    SECTION: ClassVar[str] = "drafter.online"
+
     enabled: bool = False
     loss: str | None = None
-    lr: float = 3e-4
-    lr_warmup_steps: int = 0
-    token_budget: int = 2048
-    buffer_mb: float = 256.0
-    offset_mix: float = 0.5
-    tail_fraction: float = 0.5
+    lr: Annotated[float, Range(gt=0)] = 3e-4
+    lr_warmup_steps: Annotated[int, Range(ge=0, note="0: lr from the first")] = 0
+    token_budget: Annotated[int, Range(ge=2)] = 2048
+    buffer_mb: Annotated[float, Range(gt=0)] = 256.0
+    offset_mix: Annotated[float, Range(ge=0, le=1, note="a share of each micro-batch")] = 0.5
+    tail_fraction: Annotated[float, Range(gt=0, le=1, note="a share of the rollout's "
+                                          "requests")] = 0.5
     during_update: bool = True
-    max_steps_per_step: int = 0
-    min_steps_per_step: int = 0
-    num_threads: int = 1
+    max_steps_per_step: Annotated[int, Range(ge=0, note="0: no cap")] = 0
+    min_steps_per_step: Annotated[int, Range(ge=0, note="0: idle time only")] = 0
+    num_threads: Annotated[int, Range(ge=1)] = 1
     source: str = "auto"
     refresh: str = "every_step"
-    refresh_drop: float = 0.3
-    holdout_every: int = 0
+    refresh_drop: Annotated[float, Range(ge=0, note="accepted tokens")] = 0.3
+    holdout_every: Annotated[int, Range(ge=2, allow={0}, note="0: no check; 1 would leave "
+                                        "nothing to train on")] = 0
     device: str | None = None
     compute_dtype: str | None = None
-    max_sample_tokens: int | None = None
-    window_context: int | None = None
-    inflight_mb: float = 4096.0
-    inbox_samples: int = 256
-    reply_timeout_s: float = 120.0
-    max_restarts: int = 2
-    reprobe_every: int = 10
+    max_sample_tokens: Annotated[int | None, Range(ge=2, note="token_budget")] = None
+    window_context: Annotated[int | None, Range(ge=0, note="min(128, half a window)")] = None
+    inflight_mb: Annotated[float, Range(gt=0)] = 4096.0
+    inbox_samples: Annotated[int, Range(ge=1)] = 256
+    reply_timeout_s: Annotated[float, Range(gt=0, note="seconds")] = 120.0
+    max_restarts: Annotated[int, Range(ge=0, note="0: never")] = 2
+    reprobe_every: Annotated[int, Range(ge=0, note="0: a fallback is final")] = 10
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         _require(self.refresh in ("every_step", "on_drop"),
                  f"drafter.online.refresh must be every_step or on_drop, got {self.refresh!r}")
         _require(self.source in ("auto", "engine", "actor"),
                  f"drafter.online.source must be auto, engine or actor, got {self.source!r}")
-        _require(0 < self.tail_fraction <= 1, "drafter.online.tail_fraction must be in (0, 1]")
-        _require(self.buffer_mb > 0 and self.lr > 0 and self.token_budget >= 2,
-                 "drafter.online: buffer_mb and lr must be > 0, token_budget >= 2")
-        _require(self.lr_warmup_steps >= 0,
-                 f"drafter.online.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        _require(self.num_threads >= 1 and self.max_steps_per_step >= 0
-                 and self.min_steps_per_step >= 0,
-                 "drafter.online: num_threads must be >= 1, max_steps_per_step and "
-                 "min_steps_per_step >= 0")
         _require(not self.max_steps_per_step or self.min_steps_per_step <= self.max_steps_per_step,
                  "drafter.online.min_steps_per_step must be <= max_steps_per_step")
         _require(self.loss is None or self.loss in ("eagle1", "eagle3", "reward_kd"),
@@ -116,25 +114,14 @@ class OnlineDrafterConfig:
         _require(self.compute_dtype in (None, "float32", "bfloat16"),
                  f"drafter.online.compute_dtype must be float32, bfloat16 or null (bfloat16 on "
                  f"a GPU, float32 on a CPU), got {self.compute_dtype!r}")
-        _require(self.max_sample_tokens is None
-                 or 2 <= self.max_sample_tokens <= self.token_budget,
+        _require(self.max_sample_tokens is None or self.max_sample_tokens <= self.token_budget,
                  f"drafter.online.max_sample_tokens must be in [2, token_budget="
                  f"{self.token_budget}] (a longer window would be cut to token_budget anyway) or "
                  f"null, got {self.max_sample_tokens}")
-        _require(self.window_context is None
-                 or 0 <= self.window_context <= self.window_tokens // 2,
+        _require(self.window_context is None or self.window_context <= self.window_tokens // 2,
                  f"drafter.online.window_context must be in [0, {self.window_tokens // 2}] (half "
                  f"a window of {self.window_tokens} tokens: the rest is what a window scores) or "
                  f"null, got {self.window_context}")
-        _require(self.holdout_every == 0 or self.holdout_every >= 2,
-                 f"drafter.online.holdout_every must be 0 (no check) or >= 2 (every N-th "
-                 f"rollout held out; 1 would leave nothing to train on), got "
-                 f"{self.holdout_every}")
-        _require(self.inflight_mb > 0 and self.inbox_samples >= 1,
-                 "drafter.online: inflight_mb must be > 0 and inbox_samples >= 1")
-        _require(self.reply_timeout_s > 0 and self.max_restarts >= 0 and self.reprobe_every >= 0,
-                 "drafter.online: reply_timeout_s must be > 0, max_restarts and reprobe_every "
-                 ">= 0")
 
     def compute_dtype_on(self, device: str) -> str:
         """compute_dtype, or its default on `device` (bfloat16 on a GPU, float32 on a CPU)."""
@@ -159,18 +146,17 @@ class DrafterConfig:
     warms one up (cached) with warmup_steps steps on warmup_rollouts rollouts. online: train it
     during the run."""
 
+    SECTION: ClassVar[str] = "drafter"
+
     path: str | None = None
     kind: str = "eagle1"
-    warmup_steps: int = 4000
-    warmup_rollouts: int = 2048
+    warmup_steps: Annotated[int, Range(ge=1)] = 4000
+    warmup_rollouts: Annotated[int, Range(ge=1)] = 2048
     export: bool = True                 # at the end of a run: RUN_DIR/drafter + RUN_DIR/export
     online: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         from fastdraft.drafter.base import DRAFTERS
         _require(self.kind in DRAFTERS, f"drafter.kind: unknown drafter kind {self.kind!r}; "
                  f"choose one of {sorted(DRAFTERS)}")
-        _require(self.warmup_steps >= 1 and self.warmup_rollouts >= 1,
-                 "drafter.warmup_steps and warmup_rollouts must be >= 1")
-
-

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from fastdraft.config.sections.common import DTYPES
+from fastdraft.config.sections.common import DTYPES, SEED_RANGE, Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 from fastdraft.errors import FastdraftError
 
@@ -17,12 +17,15 @@ class PolicyConfig:
     bootstrap (fastdraft/bootstrap/spec.py: tiny = the Qwen2 of the tiny CPU recipe, tiny-qwen3
     = a Qwen3 with head_dim 64), trained once and cached."""
 
+    SECTION: ClassVar[str] = "model"
+
     path: str | None = None
     bootstrap: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         _require(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
                  f"model.device must be cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -38,20 +41,27 @@ class DataConfig:
     epoch like a dataset; or path: a local parquet / JSONL file with prompt and answer columns,
     scored by the registered `reward`."""
 
+    SECTION: ClassVar[str] = "data"
+
     task: str | None = "modsum"
     task_options: dict[str, Any] = field(default_factory=dict)  # the task's own settings
-    task_pool: int | None = None        # a dataset of this many task problems, visited in epochs
+    # a dataset of this many task problems, visited in epochs; None: fresh ones every step
+    task_pool: Annotated[int | None, Range(ge=1, note="fresh problems every step")] = None
     path: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     reward: str = "math"
     add_special_tokens: bool | None = None  # None: no for task prompts, yes for file prompts
-    seed: int = 0
+    seed: Annotated[int, SEED_RANGE] = 0
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         _require((self.task is None) != (self.path is None),
                  "data: set exactly one of data.task (a built-in task) and data.path (a local "
                  "parquet / JSONL file)")
+        _require(self.answer_key != self.prompt_key, f"data.answer_key and data.prompt_key "
+                 f"both name the column {self.prompt_key!r}: the answer would be the prompt; "
+                 "name the answer's own column")
         _require(isinstance(self.task_options, dict), "data.task_options must be a mapping of "
                  f"the task's options (e.g. max_terms: 40), got {self.task_options!r}")
         from fastdraft.data.rewards import available_rewards

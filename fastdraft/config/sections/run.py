@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
 
 from fastdraft.config.sections.actor import ActorConfig
 from fastdraft.config.sections.algorithm import AlgorithmConfig
 from fastdraft.config.sections.cluster import ClusterConfig
+from fastdraft.config.sections.common import SEED_RANGE, Range, check_ranges
 from fastdraft.config.sections.common import require as _require
 from fastdraft.config.sections.drafter import DrafterConfig
 from fastdraft.config.sections.policy import DataConfig, PolicyConfig
@@ -21,36 +23,47 @@ class CheckpointConfig:
     both fit in it, else abandoned (the newest checkpoint on disk is whole) -- a step killed
     half-way would lose the same and waste the grace period."""
 
-    every: int = 10
-    keep: int = 2
-    stop_grace_s: float = 30.0
+    SECTION: ClassVar[str] = "checkpoint"
+
+    every: Annotated[int, Range(ge=1, note="steps")] = 10
+    keep: Annotated[int, Range(ge=1)] = 2
+    stop_grace_s: Annotated[float, Range(ge=0, note="seconds")] = 30.0
 
     def __post_init__(self) -> None:
-        _require(self.every >= 1 and self.keep >= 1, "checkpoint.every and keep must be >= 1")
-        _require(self.stop_grace_s >= 0, "checkpoint.stop_grace_s must be >= 0 (seconds)")
+        check_ranges(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WandbConfig:
+    SECTION: ClassVar[str] = "logging.wandb"
+
     mode: str = "offline"       # offline | online | disabled
     project: str = "fastdraft"
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         _require(self.mode in ("offline", "online", "disabled"),
                  "logging.wandb.mode must be offline, online or disabled")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
+    SECTION: ClassVar[str] = "logging"
+
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True
     dashboard: bool = True
 
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
+    SECTION: ClassVar[str] = ""
+
     name: str = "run"
-    seed: int = 0
+    seed: Annotated[int, SEED_RANGE] = 0
     model: PolicyConfig = field(default_factory=PolicyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -62,6 +75,11 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        check_ranges(self)
+        _require(self.rollout.group_size >= 2, f"rollout.group_size={self.rollout.group_size}: "
+                 f"algorithm.advantage={self.algorithm.advantage} is group-relative (each answer "
+                 "against the others of its prompt's group), and a group of one has no "
+                 "baseline: every advantage is 0 and nothing trains; set rollout.group_size >= 2")
         _require(self.cluster.placement == "separate"
                  or self.actor.num_ranks <= self.cluster.rollout_workers,
                  f"cluster.placement=colocated puts actor rank r beside rollout worker r: "
