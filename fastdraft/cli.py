@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from fastdraft.utils.outputs import check_output_dir, check_output_file
+
 Runner = Callable[[argparse.Namespace], int]
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, str]] = {}
 
@@ -33,6 +35,13 @@ def _cache_arg(p: argparse.ArgumentParser) -> None:
                    help="bootstrap cache ($FASTDRAFT_CACHE, else ~/.cache/fastdraft)")
 
 
+def _overwrite_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace {what} even if fastdraft did not write it (without it, an "
+                        "existing path is replaced only when it is fastdraft's own output of the "
+                        "same kind, and never when it is an input of the command)")
+
+
 def _bootstrap_args(p: argparse.ArgumentParser) -> None:
     _cache_arg(p)
     p.add_argument("--force", action="store_true", help="retrain even if a cached policy exists")
@@ -41,13 +50,15 @@ def _bootstrap_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="tiny",
                    help="named policy spec (fastdraft/bootstrap/spec.py): tiny (Qwen2, the tiny "
                         "recipe's) or tiny-qwen3 (Qwen3, head_dim 64)")
+    _overwrite_arg(p, "the policy's directory in the cache")
 
 
 @command("bootstrap", "train (once, cached) a tiny CPU policy on the synthetic long-tail task")(
     _bootstrap_args)
 def run_bootstrap_cmd(args: argparse.Namespace) -> int:
     from fastdraft.bootstrap.run import run_bootstrap
-    report = run_bootstrap(args.cache_dir, force=args.force, seed=args.seed, spec=args.spec)
+    report = run_bootstrap(args.cache_dir, force=args.force, seed=args.seed, spec=args.spec,
+                           overwrite=args.overwrite)
     print(f"policy: {report.policy_dir}")
     print(f"  train {report.train_seconds:.0f}s, total {report.total_seconds:.0f}s, "
           f"{report.num_params:,} params")
@@ -137,6 +148,7 @@ def _drafter_args(p: argparse.ArgumentParser) -> None:
                    help="continue a killed warm-up from its --work-dir")
     p.add_argument("--save-every", type=int, default=50,
                    help="micro-steps between trainer state saves (what --resume continues from)")
+    _overwrite_arg(p, "--out and --work-dir")
 
 
 @command("drafter", "train a drafter for a policy (offline warm-up)")(_drafter_args)
@@ -151,22 +163,30 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
         if args.prompts is not None:
             raise FastdraftError("--prompts and --recipe both name the prompts: give one")
         recipe = load_recipe(args.recipe)
+    if args.action == "warmup":   # its settings checked before a policy is bootstrapped
+        given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
+                 "draft_vocab": args.draft_vocab}
+        cfg = WarmupConfig.for_steps(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
+                                     **{k: v for k, v in given.items() if v is not None})
+        plan = _device_plan(args)
     policy = (resolve_policy(recipe, args.cache_dir) if recipe is not None and args.policy is None
               else resolve_model(args.policy, args.cache_dir, flag="--policy"))
+    inputs = [("--policy", policy), ("--source", args.source), ("--prompts", args.prompts),
+              ("--recipe", args.recipe), ("--init", args.init)]
     if args.action == "import":
-        return _import_drafter(args.source, policy, args.out)
+        return _import_drafter(args.source, policy, args.out, inputs, args.overwrite)
     out = args.out or default_drafter_dir(policy, args.kind)
-    given = {"num_rollouts": args.num_rollouts, "steps": args.steps,
-             "draft_vocab": args.draft_vocab}
-    cfg = WarmupConfig(kind=args.kind, seed=args.seed, ttt_steps=args.ttt_steps,
-                       **{k: v for k, v in given.items() if v is not None})
+    check_output_dir(out, "drafter", "--out", inputs, args.overwrite)
+    work = args.work_dir or out.absolute().with_name(out.absolute().name + ".warmup")
+    if not args.resume:
+        check_output_dir(work, "warmup", "--work-dir", [*inputs, ("--out", out)], args.overwrite)
     if recipe is not None:
         from fastdraft.run.inputs import recipe_prompts
         prompts = recipe_prompts(recipe, policy, cfg.num_rollouts)
     else:
         prompts = prompt_ids(policy, args.prompts, cfg.num_rollouts, seed=args.seed,
                              heldout=False, prompt_key=args.prompt_key)
-    report = _device_warmup(args, policy, out, prompts, cfg)
+    report = _device_warmup(args, policy, out, work, prompts, cfg, plan)
     capture_rate = report.captured_tokens / max(report.rollout_seconds, 1e-9)
     train_rate = report.train_tokens / max(report.train_seconds, 1e-9)
     print(f"drafter: {report.drafter_dir} ({report.kind}); {report.num_rollouts} rollouts, "
@@ -177,31 +197,41 @@ def run_drafter_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_warmup(args: argparse.Namespace, policy: Path, out: Path, prompts, cfg):
+def _device_plan(args: argparse.Namespace):
     import torch
 
-    from fastdraft.run.device_warmup import DevicePlan, device_warmup
-    work = args.work_dir or out.with_name(out.name + ".warmup")
+    from fastdraft.run.device_warmup import DevicePlan
+    from fastdraft.utils.device_memory import check_device_option
+    check_device_option(args.device, "--device")
+    cuda = args.device.startswith("cuda")
+    return DevicePlan(device=args.device, workers=args.workers, token_budget=args.token_budget,
+                      save_every=args.save_every,
+                      dtype=torch.bfloat16 if cuda else torch.float32,
+                      compute_dtype=args.compute_dtype or ("bfloat16" if cuda else "float32"))
+
+
+def _device_warmup(args: argparse.Namespace, policy: Path, out: Path, work: Path, prompts, cfg,
+                   plan):
+    from fastdraft.run.device_warmup import device_warmup
     init = args.init
     if init is not None:
         from fastdraft.export.imports import engine_layout, import_drafter
         if engine_layout(init) is not None:
+            work = work.absolute()
             init = import_drafter(init, policy, work.with_name(work.name + ".init"))
-    cuda = args.device.startswith("cuda")
-    plan = DevicePlan(device=args.device, workers=args.workers, token_budget=args.token_budget,
-                      save_every=args.save_every,
-                      dtype=torch.bfloat16 if cuda else torch.float32,
-                      compute_dtype=args.compute_dtype or ("bfloat16" if cuda else "float32"))
-    return device_warmup(policy, out, prompts, cfg, plan, work, init=init, resume=args.resume)
+    return device_warmup(policy, out, prompts, cfg, plan, work, init=init, resume=args.resume,
+                         overwrite=args.overwrite)
 
 
-def _import_drafter(source: Path | None, policy: Path, out: Path | None) -> int:
+def _import_drafter(source: Path | None, policy: Path, out: Path | None, inputs,
+                    overwrite: bool) -> int:
     from fastdraft.errors import FastdraftError
     from fastdraft.export.imports import engine_layout, import_drafter
     if source is None or out is None:
         raise FastdraftError("drafter import needs --source DIR (the engine directory) and --out "
                              "DIR (where the fastdraft drafter goes)")
-    import_drafter(source, policy, out)
+    check_output_dir(out, "drafter", "--out", inputs, overwrite)
+    import_drafter(source, policy, out, overwrite)
     print(f"drafter: {out} (imported from the {engine_layout(source)} layout at {source}); run "
           f"with drafter.path={out}")
     return 0
@@ -226,6 +256,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="--dry-run: each of the node's actor.num_ranks devices, decimal GB "
                         "(default: this GPU's, else 80 for a cuda recipe; the RAM for a cpu one)")
     p.add_argument("--json", type=Path, default=None, help="--dry-run: also write the plans here")
+    _overwrite_arg(p, "--run-dir's files (and --json)")
     _cache_arg(p)
 
 
@@ -238,14 +269,21 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
         raise FastdraftError("name a recipe: fastdraft run RECIPE.yaml [section.key=value ...] "
                              "(bundled ones are in recipes/, e.g. recipes/tiny-grpo.yaml)")
     cfg = load_recipe(args.recipe, args.overrides)
-    if args.dry_run:
+    if args.json is not None:
+        check_output_file(args.json, "json", "--json", [("the recipe", args.recipe)],
+                          args.overwrite)
+    run_dir = args.run_dir or Path("runs") / cfg.name
+    if args.dry_run:   # the run's checks of its run dir too (nothing created or taken there)
         from fastdraft.run.dry_run import dry_run
-        return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir)
+        return dry_run(cfg, args.device_memory_gb, args.json, args.cache_dir, run_dir,
+                       resume=args.resume, resume_force=args.resume_force,
+                       overwrite=args.overwrite)
     from fastdraft.run.stop import RunStopped
-    args.run_dir = args.run_dir or Path("runs") / cfg.name   # main() names it in errors
+    args.run_dir = run_dir   # main() names it in errors
     try:
         run_recipe(cfg, args.run_dir, resume=args.resume or args.resume_force,
-                   cache_dir=args.cache_dir, resume_force=args.resume_force)
+                   cache_dir=args.cache_dir, resume_force=args.resume_force,
+                   overwrite=args.overwrite)
     except RunStopped as stopped:
         how = " (the newest checkpoint; the step under way abandoned)" if stopped.abandoned else ""
         print(f"fastdraft: {signal.Signals(stopped.signum).name}: stopped at step {stopped.step}"
@@ -258,8 +296,14 @@ def run_recipe_cmd(args: argparse.Namespace) -> int:
 def _restart_hint(args: argparse.Namespace) -> str:
     """How to go on with an interrupted `run`: --resume from its newest checkpoint, or start
     again when it has none."""
-    from fastdraft.checkpoint.layout import step_dirs
-    has_checkpoint = bool(step_dirs(args.run_dir / "checkpoints"))
+    from fastdraft.checkpoint.layout import CorruptCheckpointError, step_dirs, validate
+
+    def whole(path: Path) -> bool:   # a damaged one is no checkpoint to resume from
+        try:
+            return validate(path) is not None
+        except CorruptCheckpointError:
+            return False
+    has_checkpoint = any(whole(path) for _, path in step_dirs(args.run_dir / "checkpoints"))
     command = ["fastdraft", "run", str(args.recipe), *args.overrides, "--run-dir",
                str(args.run_dir), *(["--resume"] if has_checkpoint else [])]
     return (("resume with: " if has_checkpoint else "no checkpoint yet; start it again: ")
@@ -275,6 +319,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=int, default=3,
                    help="speculators layout: the draft length `vllm serve DIR` uses")
     p.add_argument("--out", type=Path, default=None, help="default: RUN/export")
+    _overwrite_arg(p, "--out's layout directories")
 
 
 @command("export", "write a run's drafter as SGLang / vLLM load it (checked before success)")(
@@ -287,16 +332,30 @@ def export_cmd(args: argparse.Namespace) -> int:
     if not (drafter / "drafter_config.json").is_file():
         raise FileNotFoundError(f"{drafter}: no drafter there; `fastdraft run` saves the run's "
                                 "drafter there at its end (speculative recipes only)")
-    latest = CheckpointManager(args.run, keep=1).latest()
-    if latest is None:
-        raise FileNotFoundError(f"{args.run / 'checkpoints'}: no complete checkpoint to read "
-                                "the policy from")
-    with policy_weights(latest) as policy:   # a sharded checkpoint's: consolidated
-        for path in export_drafter(drafter, policy, args.out or args.run / "export",
-                                   args.format, verifier=str(latest.resolve()),
-                                   speculative_tokens=args.speculative_tokens):
-            print(f"exported: {path}")
+    out = args.out or args.run / "export"
+    check_output_dir(out, "export", "--out", [("--run", args.run)], args.overwrite)
+    with _run_dir_lock_for(out, args.run, "--run"):   # not while a run writes there
+        latest = CheckpointManager(args.run, keep=1).latest()
+        if latest is None:
+            raise FileNotFoundError(f"{args.run / 'checkpoints'}: no complete checkpoint to "
+                                    "read the policy from")
+        with policy_weights(latest) as policy:   # a sharded checkpoint's: consolidated
+            for path in export_drafter(drafter, policy, out, args.format,
+                                       verifier=str(latest.resolve()),
+                                       speculative_tokens=args.speculative_tokens,
+                                       overwrite=args.overwrite):
+                print(f"exported: {path}")
     return 0
+
+
+def _run_dir_lock_for(out: Path, run_dir: Path, setting: str):
+    """run_dir's lock while writing `out` inside it (a live run there is named, not raced);
+    nothing to hold when `out` lies elsewhere."""
+    from contextlib import nullcontext
+
+    from fastdraft.run.run_dir import RunDirLock
+    inside = run_dir.resolve() in [out.resolve(), *out.resolve().parents]
+    return RunDirLock.claim(run_dir, setting, create=False) if inside else nullcontext()
 
 
 def _plot_args(p: argparse.ArgumentParser) -> None:
@@ -305,12 +364,17 @@ def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", type=Path, default=None, metavar="RUN_DIR",
                    help="a plain-decoding run of the same recipe, drawn dashed beside this one "
                         "(e.g. `fastdraft bench recipe`'s OUT/off)")
+    _overwrite_arg(p, "--out")
 
 
 @command("plot", "redraw a run's dashboard PNG from its metrics.jsonl")(_plot_args)
 def plot_cmd(args: argparse.Namespace) -> int:
-    from fastdraft.observability.dashboard import draw_dashboard
-    print(f"dashboard: {draw_dashboard(args.run_dir, args.out, args.reference)}")
+    from fastdraft.observability.dashboard import DASHBOARD_FILE, draw_dashboard
+    out = args.out or args.run_dir / DASHBOARD_FILE
+    check_output_file(out, "png", "--out", [("RUN_DIR", args.run_dir),
+                                             ("--reference", args.reference)], args.overwrite)
+    with _run_dir_lock_for(out, args.run_dir, "RUN_DIR"):
+        print(f"dashboard: {draw_dashboard(args.run_dir, out, args.reference)}")
     return 0
 
 
@@ -346,14 +410,16 @@ def main(argv: list[str] | None = None) -> int:
         setattr(args, trailing, [*getattr(args, trailing), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from fastdraft.run.stop import interrupt_on_sigterm, stop_signal_in
-    interrupt_on_sigterm()
+    from fastdraft.utils.stop_signals import carry_out, interrupt_on_stop_signals, stop_signal_in
+    interrupt_on_stop_signals()   # and, a stop under way, further ones noted, not raised
     start = time.perf_counter()
     try:
+        _check_cache_dir(getattr(args, "cache_dir", None))
         code = COMMANDS[args.command][1](args)
     except BaseException as err:   # every failure ends in one line
         signum = stop_signal_in(err)   # a stop before a run's steps, or in another command
         if signum is not None:
+            carry_out(signum)   # the exit (Ray's atexit shutdown among it) is not cut short
             hint = f"; {_restart_hint(args)}" if args.command == "run" and args.run_dir else ""
             print(f"fastdraft {args.command}: stopped by {signal.Signals(signum).name}{hint}",
                   file=sys.stderr)
@@ -363,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         return _report_failure(args, err)
     print(f"[fastdraft {args.command}: {time.perf_counter() - start:.1f}s]", file=sys.stderr)
     return code
+
+
+def _check_cache_dir(cache: Path | None) -> None:
+    from fastdraft.errors import FastdraftError
+    if cache is not None and cache.exists() and not cache.is_dir():
+        raise FastdraftError(f"--cache-dir {cache} is a file: name a directory (the bootstrap "
+                             "cache: policies and drafters fastdraft trains once)")
 
 
 def _report_failure(args: argparse.Namespace, err: Exception) -> int:
@@ -379,7 +452,7 @@ def _report_failure(args: argparse.Namespace, err: Exception) -> int:
     line = user_error_line(err, places)
     if line is not None:
         if args.command == "run" and getattr(args, "run_dir", None) and os_error_in(err):
-            line += f"; then {_restart_hint(args)}"   # a full disk mid-run loses no checkpoint
+            line += f"; {_restart_hint(args)}"   # a full disk mid-run loses no checkpoint
         print(f"fastdraft {args.command}: error: {line}", file=sys.stderr)
         return 2
     # The run's directory first (--out may name a file: not there).

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from transformers import AutoTokenizer
 
 from fastdraft.engine import FinishReason, RolloutEngine, SamplingParams
+from fastdraft.errors import FastdraftError
 
 if TYPE_CHECKING:
     from fastdraft.drafter.warmup import WarmupConfig
@@ -146,6 +147,11 @@ def demo_header(task: ModSumTask, num_prompts: int, prompts_file: Path | None, b
 
 
 def generate_demo(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or args.max_new_tokens < 1:   # before the policy loads
+        raise FastdraftError(f"--num-prompts and --max-new-tokens must be >= 1, got "
+                             f"{args.num_prompts} and {args.max_new_tokens}")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   max_new_tokens=args.max_new_tokens)   # its checks, before any work
     model_dir = resolve_model(args.model, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     task = get_task("modsum")

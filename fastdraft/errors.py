@@ -56,6 +56,25 @@ def writable_dir(place: Place) -> Path:
     return place.path
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_creatable(place: Place) -> None:
+    """What writable_dir would refuse, told without creating anything (a dry run's): a file in
+    the way, or a directory this process may not write."""
+    found = existing_ancestor(place.path)
+    code = (errno.ENOTDIR if not found.is_dir() else
+            errno.EACCES if not os.access(found, os.W_OK | os.X_OK) else None)
+    if code is not None:   # named as writable_dir's mkdir names it: the path asked for
+        raise FastdraftError(describe_os_error(OSError(code, os.strerror(code), str(place.path)),
+                                               [place]))
+
+
 def check_free_space(place: Place, need_bytes: int, what: str) -> None:
     """`need_bytes` free under the place, or one line saying how much is missing."""
     free = shutil.disk_usage(place.path).free
@@ -99,7 +118,13 @@ def user_error_line(err: BaseException, places: list[Place]) -> str | None:
     if isinstance(err, (FastdraftError, FileNotFoundError)):
         return str(err)
     found = os_error_in(err)
-    return describe_os_error(found, places) if found is not None else None
+    if found is None:
+        return None
+    # What the OS error stopped, when an error of the chain says (a checkpoint not written).
+    what = next((link.what_failed for link in exception_chain(err)
+                 if isinstance(getattr(link, "what_failed", None), str)), None)
+    line = describe_os_error(found, places)
+    return f"{what}: {line}" if what else line
 
 
 def write_crash_log(err: BaseException, candidates: list[Path]) -> Path | None:

@@ -52,7 +52,8 @@ def _prompt_file(tmp_path: Path, text: str, name: str = "p.jsonl") -> Path:
      ["row 1 (line 3)", "prompt (column 'prompt') has none"]),
     ('{"prompt":"1+2=","answer":""}\n', ["row 0 (line 1)", "answer (column 'answer') is empty"]),
     ('{"prompt":"  \\n","answer":"3"}\n', ["row 0 (line 1)", "is only whitespace"]),
-    ('{"prompt":"1+2=","answer":3}\n', ["column 'answer' (answer) holds int64 values, not text"]),
+    ('{"prompt":"1+2=","answer":3}\n', ["row 0 (line 1)", "its answer (column 'answer') is 3, "
+                                        "not text"]),
     ('{"prompt":"1+2=","answer":"3"}\n{"prompt":"2+2=",\n',
      ["line 2: Expecting property name", "one JSON object"]),
 ])
@@ -220,3 +221,44 @@ def test_bench_help_groups_the_options_by_bench(capsys):
         assert any(s.startswith(title) for s in sections), sections
     gpu = out[out.index("\ngpu:"):out.index("\nrecipe:")]
     assert "--shape" in gpu and "--methods" not in gpu
+
+
+def _latin1(tmp_path: Path) -> Path:
+    return _prompt_file_bytes(tmp_path, '{"prompt": "caf\xe9 1+2=", "answer": "3"}\n'
+                              .encode("latin-1"))
+
+
+def _prompt_file_bytes(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["generate", "--num-prompts", "0"], "--num-prompts and --max-new-tokens must be >= 1"),
+    (["generate", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["bench", "engine", "--device", "cuda"], "--device cuda, but this torch"),
+    (["bench", "engine", "--device", "gpu"], "--device must be cpu, cuda or cuda:N"),
+    (["bench", "spec", "--depth", "-1"], "--depth, --topk and --tokens-to-verify must be >= 1"),
+    (["drafter", "warmup", "--kind", "eagle9", "--steps", "10"], "unknown drafter kind 'eagle9'"),
+])
+def test_other_commands_refuse_bad_options_before_any_work(tmp_path, capsys, args, expected):
+    """Each before a policy is bootstrapped or a drafter warmed up (minutes): the cache stays
+    empty."""
+    refused(capsys, tmp_path, args, expected, dry=False)
+
+
+def test_a_latin1_prompt_file_is_named_as_such_by_run_and_generate(char_policy, tmp_path,
+                                                                   capsys):
+    path = _latin1(tmp_path)
+    refused(capsys, tmp_path, ["run", TINY, *FILE_PROMPTS, f"model.path={char_policy}",
+                               "rollout.spec.method=none", "drafter.online.enabled=false",
+                               f"data.path={path}"], "is not UTF-8 text: line 1 has the byte 0xe9")
+    refused(capsys, tmp_path, ["generate", "--model", str(char_policy), "--prompts", str(path)],
+            "is not UTF-8 text", dry=False)
+
+
+def test_a_short_warmup_scales_its_lr_ramp_instead_of_naming_a_hidden_setting():
+    from fastdraft.drafter.warmup import WarmupConfig
+    assert WarmupConfig.for_steps(steps=10).warmup_steps == 1
+    assert WarmupConfig.for_steps(steps=4000).warmup_steps == 50 == WarmupConfig().warmup_steps

@@ -36,13 +36,12 @@ projections."""
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from fastdraft.bench.common import write_json
+from fastdraft.bench.common import fresh_run_dirs, write_json
 from fastdraft.bench.drafter_bench import drift_eval
 from fastdraft.bench.projections import model_projections, projection_lines
 from fastdraft.cluster.simulator import SimConfig, StepShape, UnitCosts, simulate_step
@@ -87,8 +86,8 @@ def run_cluster_bench(recipe: Path, overrides: list[str], out_dir: Path,
              "drafter.export=false", f"cluster.rollout_workers={workers}"]
     runs: dict[str, Run] = {}
     try:
+        fresh_run_dirs(out_dir, arms)
         for name, extra in arms.items():
-            shutil.rmtree(out_dir / name, ignore_errors=True)
             local = "cluster.backend=ray" not in extra
             arm = [*overrides, *quiet, *extra]
             if name == "ray_consolidate":

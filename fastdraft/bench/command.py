@@ -25,6 +25,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", type=Path, default=None,
                    help="recipe, drafter, rollout: where the runs go (default: runs/bench-WHICH)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--json may replace a file fastdraft did not write")
     p.add_argument("--model", type=Path, default=None, help="default: the bootstrap policy")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -108,6 +110,11 @@ def run_bench(args: argparse.Namespace) -> int:
     """`fastdraft bench WHICH`: checks the arguments before any work, then runs one bench."""
     from fastdraft.bench.common import parse_dtype
     from fastdraft.demo import heldout_prompts, resolve_model
+    from fastdraft.utils.device_memory import check_device_option
+    from fastdraft.utils.outputs import check_output_file
+    if args.json is not None:
+        check_output_file(args.json, "json", "--json", overwrite=args.overwrite)
+    check_device_option(args.device, "--device")
     dtype = parse_dtype(args.dtype)
     if args.which == "gpu":
         return _bench_gpu(args, dtype)
@@ -135,6 +142,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise FastdraftError("--repeats, --num-prompts and --max-new-tokens must be >= 1")
     if args.which == "spec":  # checked before a drafter warm-up (minutes) can start
         from fastdraft.bench.spec_bench import METHODS
+        if min(args.depth, args.topk, args.tokens_to_verify) < 1:
+            raise FastdraftError(f"--depth, --topk and --tokens-to-verify must be >= 1, got "
+                                 f"{args.depth}, {args.topk}, {args.tokens_to_verify}")
         unknown = set(args.methods.split(",")) - set(METHODS)
         if unknown:
             raise FastdraftError(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")

@@ -6,7 +6,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 
 from fastdraft.errors import FastdraftError
 from fastdraft.utils.atomic import atomic_write_text
+from fastdraft.utils.outputs import check_output_dir, json_stamp, mark, remove_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,5 +77,20 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    """Atomic write: temp file in the same directory, then rename."""
-    atomic_write_text(path, json.dumps(payload, indent=2))
+    """Atomic write: temp file in the same directory, then rename; stamped as fastdraft's (a
+    later --json may replace it: utils/outputs.py)."""
+    atomic_write_text(path, json.dumps({**json_stamp("bench"), **payload}, indent=2))
+
+
+def fresh_run_dirs(out_dir: Path, names: Iterable[str]) -> dict[str, Path]:
+    """`out_dir/NAME` for each arm, emptied of an earlier bench's run: every one checked before
+    any is removed (a directory fastdraft did not write there is refused, nothing removed)."""
+    dirs = {name: out_dir / name for name in names}
+    hint = "or choose another --out-dir"
+    for path in dirs.values():
+        check_output_dir(path, "run", "--out-dir", hint=hint)
+    for path in dirs.values():
+        remove_output(path, "run", "--out-dir", hint=hint)
+        path.mkdir(parents=True)
+        mark(path, "run")
+    return dirs

@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import random
-import shutil
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fastdraft.bench.common import write_json
+from fastdraft.bench.common import fresh_run_dirs, write_json
 from fastdraft.config import load_recipe
 from fastdraft.databuffer import DataBuffer, Sample, pack_rows, pad
 from fastdraft.engine import SamplingParams
@@ -59,8 +58,8 @@ def run_drafter_bench(recipe: Path, overrides: list[str], out_dir: Path,
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
              "drafter.export=false"]
     runs: dict[str, Run] = {}
+    fresh_run_dirs(out_dir, DRIFT_RUNS)
     for name, extra in DRIFT_RUNS.items():
-        shutil.rmtree(out_dir / name, ignore_errors=True)
         runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *extra]), out_dir / name,
                          cache_dir=cache_dir)
     base = runs["stale"]

@@ -23,13 +23,12 @@ the hybrid run's steps (|simulated - measured| / measured step time)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
 
 from fastdraft.bench.cluster_bench import _interleave, _sim_error
-from fastdraft.bench.common import write_json
+from fastdraft.bench.common import fresh_run_dirs, write_json
 from fastdraft.config import load_recipe
 from fastdraft.run.run import Run
 
@@ -58,8 +57,9 @@ def run_hybrid_bench(recipe: Path, overrides: list[str], out_dir: Path,
              _node_ip_address="127.0.0.1")
     runs: dict[str, Run] = {}
     try:
-        for name, extra in arms(workers).items():
-            shutil.rmtree(out_dir / name, ignore_errors=True)
+        arm_overrides = arms(workers)
+        fresh_run_dirs(out_dir, arm_overrides)
+        for name, extra in arm_overrides.items():
             runs[name] = Run(load_recipe(recipe, [*overrides, *QUIET, *extra]), out_dir / name,
                              cache_dir=cache_dir)
         rows, shapes = _interleave(runs, steps)

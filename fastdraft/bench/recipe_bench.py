@@ -29,12 +29,11 @@ the rollout share of each, and both reward curves. How the rewards are compared:
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastdraft.bench.common import write_json
+from fastdraft.bench.common import fresh_run_dirs, write_json
 from fastdraft.config import load_recipe
 from fastdraft.config.sections.rollout import ROLLOUT_BACKENDS
 from fastdraft.errors import FastdraftError
@@ -59,9 +58,8 @@ def run_recipe_bench(recipe: Path, overrides: list[str], out_dir: Path,
     quiet = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false"]
     arms = _arms(base.rollout.spec.method, base.drafter.online.enabled, backends)
     runs: dict[str, Run] = {}
-    for name, arm in arms.items():
-        run_dir = out_dir / name
-        shutil.rmtree(run_dir, ignore_errors=True)
+    for name, run_dir in fresh_run_dirs(out_dir, arms).items():
+        arm = arms[name]
         runs[name] = Run(load_recipe(recipe, [*overrides, *quiet, *arm]), run_dir,
                          cache_dir=cache_dir)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in runs}

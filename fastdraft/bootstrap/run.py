@@ -33,6 +33,7 @@ from fastdraft.engine import RolloutEngine, SamplingParams
 from fastdraft.errors import Place, writable_dir
 from fastdraft.models import save_model
 from fastdraft.utils.atomic import publish_dir
+from fastdraft.utils.outputs import check_output_dir
 
 Log = Callable[[str], None]
 REPORT_FILE = "report.json"
@@ -120,9 +121,11 @@ def load_cached(result_dir: Path) -> BootstrapReport | None:
 
 
 def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int = 0,
-                  log: Log = print, spec: BootstrapSpec | str = DEFAULT_SPEC) -> BootstrapReport:
+                  log: Log = print, spec: BootstrapSpec | str = DEFAULT_SPEC,
+                  overwrite: bool = False) -> BootstrapReport:
     """Returns the cached bootstrap for (spec, seed) or trains, evaluates and caches a new one.
-    spec: a BootstrapSpec or the name of a registered one (spec.py)."""
+    spec: a BootstrapSpec or the name of a registered one (spec.py). Its directory in the cache
+    replaces only an earlier bootstrap there (anything, with `overwrite`)."""
     spec = get_spec(spec) if isinstance(spec, str) else spec
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = bootstrap_dir(cache_dir, spec, seed)
@@ -130,12 +133,16 @@ def run_bootstrap(cache_dir: Path | None = None, force: bool = False, seed: int 
         log(f"bootstrap policy (cached): {cached.policy_dir}")
         return cached
     previous = load_cached(final)
-    # A read-only or full cache disk is one line now, not after minutes of training.
-    writable_dir(Place(final.parent, "--cache-dir ($FASTDRAFT_CACHE)"))
+    # A read-only or full cache disk, or a directory of someone else's where the policy goes,
+    # is one line now, not after minutes of training.
+    setting = "--cache-dir ($FASTDRAFT_CACHE)"
+    check_output_dir(final, "bootstrap", f"{setting}: the bootstrap policy's directory",
+                     overwrite=overwrite)
+    writable_dir(Place(final.parent, setting))
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         report = _build(tmp, final, spec, seed, log)
-        _publish(tmp, final)
+        _publish(tmp, final, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -158,11 +165,11 @@ def _compare_builds(previous: BootstrapReport, new: BootstrapReport) -> str:
                "another CPU model or MKL path, or a determinism bug") + ")")
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def _publish(tmp: Path, final: Path, overwrite: bool) -> None:
     """Renames ``tmp`` onto ``final``; an existing ``final`` (forced rerun, partial leftover) is
     moved aside first. If another process published meanwhile, its complete result is kept."""
     try:
-        publish_dir(tmp, final)
+        publish_dir(tmp, final, "bootstrap", overwrite)
     except OSError:
         if load_cached(final) is None:
             raise

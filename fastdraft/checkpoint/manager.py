@@ -33,7 +33,21 @@ class CheckpointWarning(UserWarning):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A background write failed; raised at the next save() or wait(), `__cause__` is the error."""
+    """Checkpoint `path` was not written: its temp dir could not be made (raised by save()), or
+    the background write failed (raised by the next poll(), save() or wait()). `error` is what
+    failed (also `__cause__`; `error` survives pickling: a hybrid worker's reaches the driver)."""
+
+    def __init__(self, path: str | Path, error: BaseException) -> None:
+        super().__init__(f"checkpoint {path} not written: {error!r}")
+        self.path, self.error = Path(path), error
+        self.__cause__ = error
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.path, self.error)
+
+    @property
+    def what_failed(self) -> str:   # the CLI's one line starts with it (errors.py)
+        return f"checkpoint {self.path} not written"
 
 
 class CheckpointManager:
@@ -59,39 +73,60 @@ class CheckpointManager:
         # A write another process makes into this root (hybrid workers' rank 0): wait() waits
         # for it too, so latest() never races it.
         self.pending_elsewhere: Callable[[], None] | None = None
+        self.poll_elsewhere: Callable[[], None] | None = None   # poll()'s look at that write
 
     def save(self, step: int, state: TrainState, block: bool = False,
              into: Path | None = None, shards: dict[str, dict] | None = None) -> None:
         """Returns once the state is copied to host; the write goes on in the background unless
-        `block`. A failed earlier write raises CheckpointWriteError here, before anything else.
+        `block`. A failed earlier write raises CheckpointWriteError here, before anything else;
+        so does a checkpoint dir that takes no new directory (its temp dir is made here).
         A sharded actor (state.model a ShardedActor): `into` is the temp dir its ranks wrote
         their shards into (temp_dir), `shards` their COMPLETE entries; the rest is written and
         the whole published as any checkpoint."""
         self.wait()
         snap = take_snapshot(step, state, self._mirror)
+        if into is None:   # made here: a directory that takes no files fails this save, not later
+            try:
+                into = temp_dir_for(self.root / step_dir_name(step))
+            except OSError as e:
+                raise CheckpointWriteError(self.root / step_dir_name(step), e) from e
         self._pending = (step, self._pool.submit(self._write, snap, into, shards))
         if block:
             self.wait()
+
+    def poll(self) -> None:
+        """Without waiting (a step boundary's look): a pending write that failed raises its
+        CheckpointWriteError here, once; one still running is left to run (the next poll(),
+        save() or wait() sees it)."""
+        if self.poll_elsewhere is not None:
+            self.poll_elsewhere()
+        if self._pending is not None and self._pending[1].done():
+            self._finish_pending()
 
     def wait(self) -> None:
         """Blocks until the pending write (if any) is on disk; re-raises its error once."""
         if self.pending_elsewhere is not None:
             self.pending_elsewhere()
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
         if self._pending is None:
             return
         (step, future), self._pending = self._pending, None
         try:
             future.result()
         except Exception as e:
-            raise CheckpointWriteError(f"background write of checkpoint "
-                                       f"{self.root / step_dir_name(step)} failed: {e!r}") from e
+            raise CheckpointWriteError(self.root / step_dir_name(step), e) from e
 
     def temp_dir(self, step: int) -> Path:
         """A temp dir for checkpoint `step` that writers in other processes fill before save()
         publishes it (a sharded actor's ranks: checkpoint/sharded.py); after the pending write,
         whose pruning removes leftover temp dirs."""
         self.wait()
-        return temp_dir_for(self.root / step_dir_name(step))
+        try:
+            return temp_dir_for(self.root / step_dir_name(step))
+        except OSError as e:
+            raise CheckpointWriteError(self.root / step_dir_name(step), e) from e
 
     def latest(self, digests: bool = False) -> Path | None:
         """The newest checkpoint that validates. Damaged and unfinished ones are skipped with a

@@ -33,7 +33,8 @@ def write_checkpoint(snap: Snapshot, ckpt_root: Path, into: Path | None = None,
     reached the disk therefore always names a directory whose data and marker reached it first.
     """
     final = ckpt_root / step_dir_name(snap.step)
-    with atomic_dir(final, into) as tmp:
+    # Inside the run's own directory (locked by the run): a damaged step dir there is replaced.
+    with atomic_dir(final, into, kind="checkpoint", overwrite=True) as tmp:
         if isinstance(snap.model, ShardedActor):
             save_config(snap.model.config, tmp / MODEL_DIR)
         else:

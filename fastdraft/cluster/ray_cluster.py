@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 from fastdraft.config.sections.cluster import ClusterConfig
 from fastdraft.errors import FastdraftError
+from fastdraft.utils.stop_signals import StopsDeferred
 
 _reaper: int | None = None   # the watcher's pid (cluster/reaper.py)
 
@@ -40,24 +42,44 @@ def connect(cfg: ClusterConfig, cpus: int) -> bool:
             [sys.executable, "-m", "fastdraft.cluster.reaper", str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, check=True,
             start_new_session=True).stdout)   # out of reach of group kills
-    # ray.init replaces this process's SIGTERM handler with sys.exit(15): a stop signal would
-    # then end the run silently, with no checkpoint or one line (seen in CI's fault test).
+    # A stop signal is not raised inside ray.init: a KeyboardInterrupt there (seen ~0.5 s after
+    # "Started a local Ray instance", in CoreWorker's construction) leaves a half-built core
+    # worker that nothing can shut down, whose threads crash the interpreter's exit (SIGSEGV).
+    # It is raised once Ray is up, after it is shut down again. ray.init's own SIGTERM handler
+    # (sys.exit(15), which would end the run silently and cut the start in half) is kept out.
+    with StopsDeferred("Ray's start") as deferred, _ray_keeps_our_sigterm():
+        try:
+            # "local": a cluster of its own even where another runs on this machine (`ray
+            # start`'s, which Ray would otherwise join, refusing this run's CPU count)
+            ray.init(address=cfg.address or "local", include_dashboard=False,
+                     log_to_driver=True, **options)
+        except ConnectionError as err:
+            raise FastdraftError(
+                f"cluster.address={cfg.address}: could not join that Ray cluster ({err}). Check"
+                " that `ray status --address ...` answers there; a cluster started by `ray "
+                "start` with token authentication needs RAY_AUTH_MODE=token and its token "
+                "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this process's environment") from err
+        if deferred.noted:   # a stop came meanwhile: the Ray this call started goes first
+            shutdown()
+    return True
+
+
+@contextlib.contextmanager
+def _ray_keeps_our_sigterm() -> Iterator[None]:
+    """ray.init's SIGTERM handler not installed (Ray's private hook for it; where a Ray
+    version lacks it, the handler in force before is put back after ray.init all the same)."""
+    import ray._private.utils as ray_utils
     ours = signal.getsignal(signal.SIGTERM)
+    real = getattr(ray_utils, "set_sigterm_handler", None)
+    if real is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
     try:
-        # "local": a cluster of its own even where another runs on this machine (`ray start`'s,
-        # which Ray would otherwise join, refusing this run's CPU count)
-        ray.init(address=cfg.address or "local", include_dashboard=False, log_to_driver=True,
-                 **options)
-    except ConnectionError as err:
-        raise FastdraftError(
-            f"cluster.address={cfg.address}: could not join that Ray cluster ({err}). Check "
-            "that `ray status --address ...` answers there; a cluster started by `ray start` "
-            "with token authentication needs RAY_AUTH_MODE=token and its token "
-            "(~/.ray/auth_token or RAY_AUTH_TOKEN) in this process's environment") from err
+        yield
     finally:
+        if real is not None:
+            ray_utils.set_sigterm_handler = real
         if ours is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, ours)
-    return True
 
 
 def require_ray(role: str) -> None:
@@ -114,14 +136,17 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def shutdown() -> None:
-    """Ray down, and its reaper with it (nothing is left to reap)."""
+    """Ray down, and its reaper with it (nothing is left to reap). A stop signal meanwhile is
+    raised after it (utils/stop_signals.StopsDeferred): one inside ray.shutdown() leaves Ray's
+    threads half torn down, and the interpreter's exit crashes on them."""
     import ray
     global _reaper
-    ray.shutdown()
-    if _reaper is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(_reaper, signal.SIGKILL)
-        _reaper = None
+    with StopsDeferred("Ray's shutdown"):
+        ray.shutdown()
+        if _reaper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(_reaper, signal.SIGKILL)
+            _reaper = None
 
 
 def cuda_name(gpu_id: str, visible: str | None = None) -> str:

@@ -24,21 +24,26 @@ def check_text_column(table: Any, file: Path, column: str, role: str) -> None:
     values = table.column(column)
     kind = values.type
     if pa.types.is_null(kind):   # no row has a value: the first row is the one to name
-        raise _bad_row(file, 0, column, role, "has none")
+        raise bad_row(file, 0, column, role, "has none")
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         example = " (e.g. \"3\", not 3)" if pa.types.is_integer(kind) or pa.types.is_floating(
             kind) else ""
+        found = _first_non_text_json_row(file, column)
+        if found is not None:   # a JSON file: the row is named (its type is not the column's)
+            row, value = found
+            raise bad_row(file, row, column, role, f"is {json.dumps(value)}, not text (write "
+                           f"it as a string, e.g. \"{value}\")")
         raise FastdraftError(
             f"{file}: column {column!r} ({role}) holds {kind} values, not text: write every "
             f"{role} as a string{example}" + _key_hint(role))
     if values.null_count:
         first = pc.index(pc.is_null(values), True).as_py()
-        raise _bad_row(file, first, column, role, "has none (missing or null)")
+        raise bad_row(file, first, column, role, "has none (missing or null)")
     blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(values)), 0)
     if pc.any(blank).as_py():
         first = pc.index(blank, True).as_py()
         empty = values[first].as_py() == ""
-        raise _bad_row(file, first, column, role, "is empty" if empty else "is only whitespace")
+        raise bad_row(file, first, column, role, "is empty" if empty else "is only whitespace")
 
 
 def first_bad_json_line(file: Path) -> str | None:
@@ -57,6 +62,26 @@ def first_bad_json_line(file: Path) -> str | None:
     return None
 
 
+def _first_non_text_json_row(file: Path, column: str) -> tuple[int, Any] | None:
+    """(row, value) of the first row of a JSON Lines file whose `column` holds a value that is
+    not a string (None: not a JSON Lines file, or no such row)."""
+    if file.suffix.lower() != ".jsonl":
+        return None
+    row = -1
+    with file.open(encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            row += 1
+            try:
+                value = json.loads(line).get(column)
+            except (json.JSONDecodeError, AttributeError):
+                return None
+            if value is not None and not isinstance(value, str):
+                return row, value
+    return None
+
+
 def jsonl_line_of_row(file: Path, row: int) -> int | None:
     """The line number (from 1) of row `row` in a JSON Lines file (blank lines hold no row)."""
     seen = -1
@@ -68,7 +93,7 @@ def jsonl_line_of_row(file: Path, row: int) -> int | None:
     return None
 
 
-def _bad_row(file: Path, row: int, column: str, role: str, what: str) -> FastdraftError:
+def bad_row(file: Path, row: int, column: str, role: str, what: str) -> FastdraftError:
     where = f"row {row}"
     if file.suffix.lower() == ".jsonl":
         line = jsonl_line_of_row(file, row)

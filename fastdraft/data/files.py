@@ -56,6 +56,10 @@ def load_prompts(
 
     if file.stat().st_size == 0:
         raise FastdraftError(f"prompt file {str(file)!r} is empty: it needs one row per prompt")
+    if builder == "json":
+        _check_json_text(file)
+    else:
+        _check_parquet_columns(file)
     read = getattr(datasets.Dataset, f"from_{builder}")  # from_json / from_parquet
     try:   # in memory, its Arrow copy in a directory that goes: no cache grows per file version
         with _quiet(datasets), tempfile.TemporaryDirectory(prefix="fastdraft-prompts-") as tmp:
@@ -79,6 +83,39 @@ def load_prompts(
         if answer_key is not None:
             row["answer"] = row[answer_key]
     return rows
+
+
+def _check_json_text(file: Path) -> None:
+    """A JSON file is UTF-8 text (JSON's own rule) with at least one row; another encoding is
+    named with the line and byte where it shows."""
+    content, line = False, 1
+    with file.open("rb") as f:   # line by line: a large file is never held twice
+        for raw in f:
+            try:
+                content = raw.decode("utf-8").strip() != "" or content
+            except UnicodeDecodeError as err:
+                raise FastdraftError(
+                    f"prompt file {str(file)!r} is not UTF-8 text: line {line} has the byte "
+                    f"0x{raw[err.start]:02x}, which UTF-8 does not allow there (Latin-1 / "
+                    "cp1252?): re-save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 FILE > NEW`"
+                    ) from None
+            line += 1
+    if not content:
+        raise FastdraftError(f"prompt file {str(file)!r} holds only blank lines: it needs one "
+                             "row (a JSON object) per prompt")
+
+
+def _check_parquet_columns(file: Path) -> None:
+    """A parquet table's column names are unique (a reader would pick one of two silently)."""
+    import pyarrow.parquet as pq
+    try:
+        names = pq.read_schema(file).names
+    except Exception:   # not parquet at all: the reader says so below
+        return
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise FastdraftError(f"prompt file {str(file)!r} has the column(s) {twice} more than "
+                             "once: rename or drop the duplicates")
 
 
 @contextlib.contextmanager
@@ -109,8 +146,9 @@ def _unreadable(file: Path, builder: str, err: BaseException) -> FastdraftError:
     while cause.__cause__ is not None:
         cause = cause.__cause__
     shape = "one JSON object per line" if builder == "json" else "a parquet table"
+    first = (str(cause).strip().splitlines() or [""])[0]   # one line, not a dumped schema
     return FastdraftError(f"prompt file {str(file)!r} could not be read as {shape}: "
-                          f"{type(cause).__name__}: {str(cause)[:200]}")
+                          f"{type(cause).__name__}: {first[:200]}")
 
 
 def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | Path) -> None:

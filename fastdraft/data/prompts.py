@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdraft.config.sections import DataConfig
+from fastdraft.data.checks import bad_row
 from fastdraft.data.tasks import Problem, get_task
 from fastdraft.errors import FastdraftError
 
@@ -42,6 +43,9 @@ class PromptSource:
             self.rows = rows if rows is not None else load_prompts(
                 Path(cfg.path).expanduser(), cfg.prompt_key, cfg.answer_key)
             lengths = [len(self._encode(row["prompt"])) for row in self.rows]
+            if 0 in lengths:   # text the tokenizer has no token for (a prompt is >= 1 token)
+                raise bad_row(Path(cfg.path), lengths.index(0), cfg.prompt_key, "prompt",
+                              "turns into no tokens with the policy's tokenizer")
             over = [i for i, n in enumerate(lengths) if n > max_prompt_len]
             if over:
                 raise FastdraftError(

@@ -27,9 +27,11 @@ _MATCH_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
-def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = None) -> None:
-    """Atomic: a killed process never leaves a half-written drafter in place."""
-    with atomic_dir(out_dir) as tmp:
+def save_drafter(drafter: Drafter, out_dir: str | Path, extra: dict | None = None,
+                 overwrite: bool = False) -> None:
+    """Atomic: a killed process never leaves a half-written drafter in place. Replaces only an
+    earlier drafter (or anything, with `overwrite`: utils/outputs.py)."""
+    with atomic_dir(out_dir, kind="drafter", overwrite=overwrite) as tmp:
         tensors = {n: t.detach().cpu().contiguous() for n, t in drafter.state_dict().items()}
         save_tensors(tensors, str(tmp / WEIGHTS_FILE))
         options = drafter.options
@@ -54,14 +56,8 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
         raise FileNotFoundError(f"{path / CONFIG_FILE} not found: --drafter takes a directory "
                                 "written by `fastdraft drafter warmup` (or save_drafter)")
     check_sums(path)
-    meta = json.loads((path / CONFIG_FILE).read_text())
-    trained_for = ModelConfig.from_hf_dict(meta["policy_config"])
-    mismatches = [f"{f}: drafter {getattr(trained_for, f)} vs policy {getattr(policy.config, f)}"
-                  for f in _MATCH_FIELDS
-                  if getattr(trained_for, f) != getattr(policy.config, f)]
-    if mismatches:
-        raise FastdraftError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
-                             "train a drafter for this policy with `fastdraft drafter warmup`")
+    meta = read_drafter_config(path)
+    _check_trained_for(path, meta, policy.config)
     param = next(policy.parameters())
     drafter = build_drafter(meta["kind"], policy.config, max_positions, **saved_options(meta))
     drafter = drafter.to(device=param.device, dtype=param.dtype).attach(policy)
@@ -74,6 +70,52 @@ def load_drafter(path: str | Path, policy: CausalLM, max_positions: int) -> Draf
         drafter.draft_token_ids = torch.tensor(meta["draft_token_ids"], dtype=torch.long)
     check_head_vocab(drafter, str(path))
     return drafter.eval()
+
+
+def read_drafter_config(path: str | Path) -> dict:
+    """drafter_config.json of the drafter at `path`, or one line saying what is wrong with it."""
+    file = Path(path) / CONFIG_FILE
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FastdraftError(f"{file} is not JSON ({err}): the drafter directory is damaged; "
+                             "train or import the drafter again") from None
+    missing = [k for k in ("kind", "policy_config") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise FastdraftError(f"{file} lacks {', '.join(missing)}: not a drafter fastdraft wrote "
+                             "(`fastdraft drafter warmup` or `drafter import` write one)")
+    return meta
+
+
+def check_drafter_fits(path: str | Path, policy_config: ModelConfig, setting: str) -> None:
+    """What load_drafter refuses, told from the files alone (no weights loaded): a drafter
+    trained for another policy, of an unknown kind, or whose weights (the header of
+    model.safetensors) lack a tensor, differ in shape or are not floats."""
+    from fastdraft.drafter.base import DRAFTERS
+    from fastdraft.utils.tensor_file import check_tensor_headers, tensor_headers
+    path = Path(path)
+    meta = read_drafter_config(path)
+    _check_trained_for(path, meta, policy_config)
+    if meta["kind"] not in DRAFTERS:
+        raise FastdraftError(f"{setting} {path}: unknown drafter kind {meta['kind']!r} in "
+                             f"{CONFIG_FILE} (known: {sorted(DRAFTERS)})")
+    with torch.device("meta"):
+        drafter = build_drafter(meta["kind"], policy_config, 1, **saved_options(meta))
+    expected = {n: tuple(t.shape) for n, t in drafter.named_parameters()}
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{setting} {path}: no {WEIGHTS_FILE} there (the drafter's "
+                                "weights): the directory is incomplete; train or import it again")
+    check_tensor_headers(tensor_headers(path / WEIGHTS_FILE), expected,
+                         f"{setting} {path / WEIGHTS_FILE}")
+
+
+def _check_trained_for(path: Path, meta: dict, policy: ModelConfig) -> None:
+    trained_for = ModelConfig.from_hf_dict(meta["policy_config"])
+    mismatches = [f"{f}: drafter {getattr(trained_for, f)} vs policy {getattr(policy, f)}"
+                  for f in _MATCH_FIELDS if getattr(trained_for, f) != getattr(policy, f)]
+    if mismatches:
+        raise FastdraftError(f"drafter {path} does not match the policy ({'; '.join(mismatches)}): "
+                             "train a drafter for this policy with `fastdraft drafter warmup`")
 
 
 def saved_options(meta: dict) -> dict:

@@ -7,8 +7,9 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,12 +48,27 @@ class WarmupConfig:
     # lossless (other tokens just have q = 0).
     draft_vocab: int | None = None
 
+    @classmethod
+    def for_steps(cls, **kwargs: Any) -> WarmupConfig:
+        """A warm-up of `steps` (the CLI's --steps): its lr warm-up the default's 50 steps, or a
+        tenth of a run of no more steps than that."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        steps, ramp = kwargs.get("steps", defaults["steps"]), defaults["warmup_steps"]
+        kwargs.setdefault("warmup_steps", ramp if steps > ramp else max(steps, 0) // 10)
+        return cls(**kwargs)
+
     def __post_init__(self) -> None:
+        if self.kind not in DEFAULT_NUM_STEPS:   # first: nothing else matters for a bad kind
+            raise FastdraftError(f"unknown drafter kind {self.kind!r}; choose one of "
+                                 f"{sorted(DEFAULT_NUM_STEPS)}")
         for name in ("num_rollouts", "max_new_tokens", "steps", "batch_size"):
             if getattr(self, name) < 1:
-                raise FastdraftError(f"WarmupConfig.{name} must be >= 1")
-        if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
-            raise FastdraftError("lr must be > 0 and warmup_steps in [0, steps)")
+                raise FastdraftError(f"the drafter warm-up's {name} must be >= 1 (--"
+                                     f"{name.replace('_', '-')}), got {getattr(self, name)}")
+        if not self.lr > 0 or not 0 <= self.warmup_steps < self.steps:
+            raise FastdraftError(f"the drafter warm-up's lr must be > 0 and its lr warm-up "
+                                 f"({self.warmup_steps} steps) shorter than its {self.steps} "
+                                 "steps")
         if not 0.0 <= self.argmax_weight <= 1.0:
             raise FastdraftError(f"WarmupConfig.argmax_weight must be in [0, 1], got "
                                  f"{self.argmax_weight}")
@@ -60,9 +76,6 @@ class WarmupConfig:
             raise FastdraftError("WarmupConfig.draft_vocab must be >= 1 (or None for every token)")
         if self.ttt_steps is not None and self.ttt_steps < 1:
             raise FastdraftError("WarmupConfig.ttt_steps must be >= 1 (or None for the default)")
-        if self.kind not in DEFAULT_NUM_STEPS:
-            raise FastdraftError(f"unknown drafter kind {self.kind!r}; choose one of "
-                                 f"{sorted(DEFAULT_NUM_STEPS)}")
         if self.ttt_steps is None:
             # Recorded as a number, so a saved drafter says what it was trained with and a
             # changed default makes `ensure_drafter` retrain a cached one.

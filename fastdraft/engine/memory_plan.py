@@ -46,6 +46,7 @@ from fastdraft.drafter import Drafter, build_drafter
 from fastdraft.drafter.checkpoint import CONFIG_FILE, saved_options
 from fastdraft.engine.capture import forward_aux_layers
 from fastdraft.engine.envelope import Envelope
+from fastdraft.engine.paged_kv import check_kv_blocks
 from fastdraft.engine.rng import Stream
 from fastdraft.errors import FastdraftError
 from fastdraft.models import CausalLM, ModelConfig
@@ -303,6 +304,8 @@ def plan_engine(config: ModelConfig, *, envelope: Envelope, num_slots: int,
                            + subset_copy * config.hidden_size) * width
         drafter_aux = tuple(eagle.aux_layers)
     aux = forward_aux_layers(drafter_aux, tuple(capture_aux_layers), config.num_hidden_layers)
+    if kv_blocks is not None and kv_block_size:   # PagedKV's refusal, before any allocation
+        check_kv_blocks(kv_blocks, envelope.cache_len, kv_block_size)
     shape = EngineShape(config=config, envelope=envelope, num_slots=num_slots, dtype=dtype,
                         device=device, weights=weights, drafter_weights=drafter_weights,
                         drafts_on_device=eagle is not None, num_aux=len(aux),

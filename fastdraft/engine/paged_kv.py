@@ -33,6 +33,18 @@ def kv_blocks_in(gigabytes: float | None, cfg: ModelConfig, dtype: torch.dtype,
     return max(int(gigabytes * 1e9) // (block_size * cell) - 1, 1)   # the sink is one more
 
 
+def check_kv_blocks(num_blocks: int, cache_len: int, block_size: int) -> None:
+    """A bounded cache holds one longest sequence and a block to spare, so a request alone
+    always runs (what PagedKV and the memory plan both refuse)."""
+    longest = -(-cache_len // block_size)
+    if num_blocks < longest + 1:
+        raise FastdraftError(
+            f"the paged KV cache holds {num_blocks} blocks of {block_size} cells, less than one "
+            f"longest sequence ({cache_len} cells: max_seq_len and a draft tree's cells) and a "
+            f"block to spare; raise rollout.kv_cache_gb to at least {longest + 1} blocks' worth, "
+            "or lower rollout.max_seq_len")
+
+
 class PagedKV:
     def __init__(self, cfg: ModelConfig, num_slots: int, cache_len: int, block_size: int,
                  num_blocks: int | None, dtype: torch.dtype, device: torch.device) -> None:
@@ -47,12 +59,8 @@ class PagedKV:
         self.max_blocks = -(-cache_len // block_size)
         self.bounded = num_blocks is not None
         self.num_blocks = num_blocks if num_blocks is not None else num_slots * self.max_blocks
-        if self.bounded and self.num_blocks < self.max_blocks + 1:
-            raise FastdraftError(
-                f"the paged KV cache holds {self.num_blocks} blocks of {block_size} cells, "
-                f"less than one longest sequence ({cache_len} cells: max_seq_len and a draft "
-                f"tree's cells) and a block to spare; raise rollout.kv_cache_gb to at least "
-                f"{self.max_blocks + 1} blocks' worth, or lower rollout.max_seq_len")
+        if self.bounded:
+            check_kv_blocks(self.num_blocks, cache_len, block_size)
         self.sink = self.num_blocks
         self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks + 1, block_size,
                               cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)

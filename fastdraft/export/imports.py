@@ -57,10 +57,22 @@ def engine_layout(path: str | Path) -> str | None:
     path = Path(path)
     if (path / FASTDRAFT_CONFIG).is_file() or not (path / CONFIG_FILE).is_file():
         return None
-    config = json.loads((path / CONFIG_FILE).read_text())
+    config = _engine_config(path)
     if "speculators_config" in config:
         return "speculators"
     return "sglang" if config.get("architectures") == [EAGLE3_ARCHITECTURE] else "eagle1"
+
+
+def _engine_config(path: Path) -> dict[str, Any]:
+    """An engine directory's config.json, or one line saying it is not a JSON object."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FastdraftError(f"{path / CONFIG_FILE} is not JSON ({err}): the drafter directory "
+                             "is damaged; copy it again") from None
+    if not isinstance(config, dict):
+        raise FastdraftError(f"{path / CONFIG_FILE} is not a JSON object: not a drafter's config")
+    return config
 
 
 def read_engine_drafter(path: str | Path, policy: ModelConfig) -> EngineDrafter:
@@ -71,9 +83,11 @@ def read_engine_drafter(path: str | Path, policy: ModelConfig) -> EngineDrafter:
                                 "SpecForge/SGLang or speculators directory)")
     if (path / SUMS_FILE).is_file():
         check_sums(path)
-    config = json.loads((path / CONFIG_FILE).read_text())
+    config = _engine_config(path)
     tensors = load_file(str(path / WEIGHTS_FILE))
-    problems: list[str] = []
+    problems: list[str] = [f"{name} is {t.dtype}, not a float type (fastdraft loads float16 / "
+                           "bfloat16 / float32 weights)" for name, t in tensors.items()
+                           if name not in ("d2t", "t2d") and not t.is_floating_point()]
     aux = None
     if layout == "speculators":
         problems += speculators_problems(config)
@@ -102,8 +116,8 @@ def read_engine_drafter(path: str | Path, policy: ModelConfig) -> EngineDrafter:
         problems.append(f"aux layers {list(aux)} (as layer inputs): the policy has layers "
                         f"0..{policy.num_hidden_layers - 1}")
     if problems:
-        raise FastdraftError(f"drafter {path} ({layout} layout) does not fit the policy:\n  "
-                             + "\n  ".join(problems))
+        raise FastdraftError(f"drafter {path} ({layout} layout) does not fit the policy: "
+                             + "; ".join(problems))
     kind = "eagle1" if layout == "eagle1" else "eagle3"
     named = from_engine_names(kind, config["architectures"][0], tensors)
     return EngineDrafter(path, layout, kind, named, lm_head,
@@ -137,16 +151,18 @@ def build_engine_drafter(src: EngineDrafter, policy: ModelConfig, policy_lm_head
     return drafter
 
 
-def import_drafter(src_dir: str | Path, policy_dir: str | Path, out_dir: str | Path) -> Path:
-    """Writes the engine directory's drafter as a fastdraft checkpoint at out_dir (atomic),
-    for the policy at policy_dir."""
+def import_drafter(src_dir: str | Path, policy_dir: str | Path, out_dir: str | Path,
+                   overwrite: bool = False) -> Path:
+    """Writes the engine directory's drafter as a fastdraft checkpoint at out_dir (atomic;
+    replacing only an earlier drafter unless `overwrite`), for the policy at policy_dir."""
     from fastdraft.export.sources import read_policy_lm_head
     policy = ModelConfig.from_pretrained(policy_dir)
     src = read_engine_drafter(src_dir, policy)
     drafter = build_engine_drafter(src, policy, read_policy_lm_head(policy_dir, policy),
                                    policy.max_position_embeddings)
-    save_drafter(drafter, out_dir, extra={"imported_from": str(Path(src_dir).resolve()),
-                                          "imported_layout": src.layout})
+    save_drafter(drafter, out_dir, overwrite=overwrite,
+                 extra={"imported_from": str(Path(src_dir).resolve()),
+                        "imported_layout": src.layout})
     return Path(out_dir)
 
 
@@ -154,7 +170,9 @@ def _shape_problems(config: dict[str, Any], policy: ModelConfig) -> list[str]:
     problems = []
     for key in _SAME_AS_POLICY:   # head_dim: when the config says it (else hidden / heads)
         mine, theirs = config.get(key), getattr(policy, key)
-        if mine is not None and mine != theirs:
+        if mine is not None and (not isinstance(mine, int | float) or isinstance(mine, bool)):
+            problems.append(f"{key} is {mine!r} in its config.json, not a number")
+        elif mine is not None and mine != theirs:
             problems.append(f"{key}: drafter {mine}, policy {theirs}")
     positions = config.get("max_position_embeddings")
     if isinstance(positions, int) and positions < policy.max_position_embeddings:

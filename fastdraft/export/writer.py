@@ -41,6 +41,7 @@ from fastdraft.export.vocab import (
 from fastdraft.models import ModelConfig
 from fastdraft.utils.atomic import atomic_dir, fsync_tree
 from fastdraft.utils.file_digest import write_sums
+from fastdraft.utils.outputs import check_output_dir
 from fastdraft.utils.tensor_file import save_tensors
 
 # The dtype both engines run drafters in. Writing it (rather than the checkpoint's float32)
@@ -50,7 +51,7 @@ EXPORT_DTYPE = torch.bfloat16
 
 def export_drafter(drafter_dir: str | Path, policy_dir: str | Path, out_dir: str | Path,
                    fmt: str, *, verifier: str | None = None,
-                   speculative_tokens: int = 3) -> list[Path]:
+                   speculative_tokens: int = 3, overwrite: bool = False) -> list[Path]:
     """Writes the drafter at `drafter_dir` (saved by save_drafter for the policy at
     `policy_dir`) in the layouts `fmt` names (formats.layouts_for: "sglang", "vllm",
     "speculators", or "all"/"both"); returns the directories written, `out_dir/<layout>`, each
@@ -58,13 +59,14 @@ def export_drafter(drafter_dir: str | Path, policy_dir: str | Path, out_dir: str
     default policy_dir) and `speculative_tokens` go into the speculators config.
 
     Each directory is replaced as a whole, so it must not exist, be empty, or hold an earlier
-    export. Every directory is checked with check_export before it is published."""
+    export (anything, with `overwrite`). Every directory is checked with check_export before
+    it is published."""
     ckpt = read_drafter_checkpoint(drafter_dir)
     policy = ModelConfig.from_pretrained(policy_dir)
     check_fits_policy(ckpt, policy)
     targets = export_dirs(out_dir, ckpt.kind, fmt)
-    for final in targets:
-        _refuse_to_clobber(final)
+    for final in targets:   # each replaced as a whole: only an earlier export (outputs.py)
+        check_output_dir(final, "export", "the export directory", overwrite=overwrite)
     draft_ids = reduced_draft_token_ids(ckpt.draft_token_ids, policy.vocab_size)
     own_head = "head.weight" in ckpt.tensors
     lm_head = (read_policy_lm_head(policy_dir, policy)
@@ -76,7 +78,7 @@ def export_drafter(drafter_dir: str | Path, policy_dir: str | Path, out_dir: str
                 for final, layout in targets.items()}
     with ExitStack() as staged:  # publishes all on a clean exit, none on an error
         for final, layout in targets.items():
-            tmp = staged.enter_context(atomic_dir(final))
+            tmp = staged.enter_context(atomic_dir(final, kind="export", overwrite=overwrite))
             tensors, config = variants[final]
             save_tensors(tensors, str(tmp / WEIGHTS_FILE))
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -123,9 +125,3 @@ def _build_variant(ckpt: DrafterCheckpoint, policy: ModelConfig, layout: Layout,
     return tensors, config
 
 
-def _refuse_to_clobber(final: Path) -> None:
-    """The directory is replaced as a whole: never take a user's unrelated files with it."""
-    if final.exists() and (not final.is_dir() or (
-            any(final.iterdir()) and not (final / CONFIG_FILE).is_file())):
-        raise FastdraftError(f"{final} exists and is not an earlier export (no {CONFIG_FILE}); "
-                             "export replaces it as a whole: choose another out_dir or remove it")

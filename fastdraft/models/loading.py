@@ -15,7 +15,12 @@ from fastdraft.models.config import ModelConfig
 from fastdraft.models.decoder import CausalLM
 from fastdraft.models.tensor_parallel import TPRank
 from fastdraft.utils.atomic import atomic_dir
-from fastdraft.utils.tensor_file import check_safetensors, save_tensors
+from fastdraft.utils.tensor_file import (
+    check_safetensors,
+    check_tensor_headers,
+    save_tensors,
+    tensor_headers,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json", "vocab.json", "merges.txt")
@@ -39,6 +44,20 @@ def weight_files(model_dir: str | Path) -> list[Path]:
             raise FileNotFoundError(f"{path} is listed in {index.name} but missing")
         check_safetensors(path, f"checkpoint {model_dir}")
     return files
+
+
+def check_weight_headers(model_dir: str | Path, cfg: ModelConfig, setting: str) -> None:
+    """Every weight the config's model needs is in the checkpoint's files, of its shape and a
+    float dtype, read from the headers (nothing loaded): what load_model would refuse (or cast
+    silently), told before any work."""
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in weight_files(model_dir):
+        found.update(tensor_headers(path))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    tied = frozenset({"lm_head.weight"} if cfg.tie_word_embeddings else ())
+    check_tensor_headers(found, expected, f"{setting} {model_dir}", optional=tied)
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -106,7 +125,7 @@ def save_model(model: CausalLM, out_dir: str | Path, tokenizer_dir: str | Path |
                ) -> None:
     """Writes an HF checkpoint directory atomically (temp dir + rename): a killed process never
     leaves a half-written model where a complete one is expected."""
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, kind="policy") as tmp:
         tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()}
         save_tensors(tensors, str(tmp / "model.safetensors"))
         hf = model.config.to_hf_dict()

@@ -22,6 +22,7 @@ from matplotlib.ticker import MaxNLocator
 from fastdraft.errors import FastdraftError
 from fastdraft.observability.metrics import read_metrics
 from fastdraft.observability.timeline import STATES, Span, is_rollout_worker, read_timeline
+from fastdraft.utils.outputs import png_stamp
 
 DASHBOARD_FILE = "dashboard.png"
 Rows = list[dict[str, Any]]
@@ -55,7 +56,7 @@ def draw_dashboard(run_dir: str | Path, out: str | Path | None = None,
     # Written aside and renamed: a viewer refreshing the PNG mid-run never reads half of it.
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=out.parent)
     os.close(fd)
-    fig.savefig(tmp, dpi=90)
+    fig.savefig(tmp, dpi=90, metadata=png_stamp("dashboard"))   # a later plot may replace it
     os.replace(tmp, out)
     return out
 

@@ -67,6 +67,10 @@ class MetricsLogger:
                 f"step {m.get('timing/step_s', 0):.1f}s (rollout {share:.0%})  ETA {eta:.0f}s")
 
     def close(self) -> None:
+        """The file and the wandb run closed; again (a failure's cleanup after a run's end) it
+        does nothing."""
+        if self._file.closed:
+            return
         self._file.close()
         if self.wandb is not None:
             import wandb

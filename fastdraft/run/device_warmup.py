@@ -9,7 +9,6 @@ last saved trainer state; the drafter is saved (atomically) only at the end."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from fastdraft.drafter.warmup import WarmupConfig, WarmupReport, frequent_tokens
 from fastdraft.engine import SamplingParams
 from fastdraft.errors import FastdraftError
 from fastdraft.trainer.spot import PolicyHead, SpotConfig
+from fastdraft.utils.outputs import mark, remove_output
 from fastdraft.workers.warmup_group import WarmupGroup
 from fastdraft.workers.warmup_member import CaptureJob, MemberJob, capture_dir
 
@@ -48,11 +48,14 @@ class DevicePlan:
 
 def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg: WarmupConfig,
                   plan: DevicePlan, work_dir: Path, *, init: Path | None = None,
-                  resume: bool = False, progress: bool = True) -> WarmupReport:
-    """Warms up a drafter for the policy at policy_dir and saves it to out_dir."""
-    if work_dir.exists() and not resume:
-        shutil.rmtree(work_dir)   # a fresh warm-up; --resume keeps what a killed one left
+                  resume: bool = False, progress: bool = True,
+                  overwrite: bool = False) -> WarmupReport:
+    """Warms up a drafter for the policy at policy_dir and saves it to out_dir (replacing
+    only an earlier drafter unless `overwrite`: utils/outputs.py)."""
+    if not resume:   # a fresh warm-up; --resume keeps what a killed one left
+        remove_output(work_dir, "warmup", "--work-dir", overwrite)
     work_dir.mkdir(parents=True, exist_ok=True)
+    mark(work_dir, "warmup")
     longest = max(map(len, prompts)) + cfg.max_new_tokens + 1
     params = SamplingParams(temperature=cfg.rollout_temperature, seed=cfg.seed,
                             max_new_tokens=cfg.max_new_tokens)
@@ -90,8 +93,9 @@ def device_warmup(policy_dir: Path, out_dir: Path, prompts: list[list[int]], cfg
     finally:
         group.close()
     trained = trainer.drafter.to("cpu", torch.float32)
-    save_drafter(trained, out_dir, extra={"warmup": asdict(cfg), "warmup_device": plan.device,
-                                          "warmup_workers": plan.workers})
+    save_drafter(trained, out_dir, overwrite=overwrite,
+                 extra={"warmup": asdict(cfg), "warmup_device": plan.device,
+                        "warmup_workers": plan.workers})
     return WarmupReport(out_dir, cfg.kind, sum(c.samples for c in captured), sum(tokens),
                         max(c.seconds for c in captured), train_s,
                         trainer.stats.last.get("loss", float("nan")),

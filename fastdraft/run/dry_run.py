@@ -24,7 +24,9 @@ from fastdraft.models import ModelConfig
 from fastdraft.models.tensor_parallel import shard_config, tensor_parallel_sizes
 from fastdraft.trainer.memory_plan import TrainerPlan
 from fastdraft.trainer.online_drafter import trainer_aux_layers
+from fastdraft.utils.atomic import atomic_write_text
 from fastdraft.utils.device_memory import GB, Capacity, host_memory
+from fastdraft.utils.outputs import json_stamp
 
 #: A CUDA recipe planned where no GPU is visible: a node of 80 GB devices (A100 / H100).
 DEFAULT_GPU_GB = 80.0
@@ -68,8 +70,17 @@ def smallest_tensor_parallel(cfg: RunConfig, policy_dir: Path, drafter_dir: Path
         return None
     workers = cfg.cluster.rollout_workers
     sizes = tensor_parallel_sizes(ModelConfig.from_pretrained(policy_dir), workers)
-    return next((k for k in sizes if workers % k == 0 and plan_run(
-        cfg, policy_dir, drafter_dir, max_seq_len, k).fits(capacity_bytes)), None)
+    return next((k for k in sizes if workers % k == 0
+                 and _fits(cfg, policy_dir, drafter_dir, max_seq_len, k, capacity_bytes)), None)
+
+
+def _fits(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None, max_seq_len: int,
+          tensor_parallel: int, capacity_bytes: int) -> bool:
+    try:   # a rank's share of rollout.kv_cache_gb may hold no longest sequence at this k
+        plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len, tensor_parallel)
+    except FastdraftError:
+        return False
+    return plan.fits(capacity_bytes)
 
 
 def _trainer_capture(cfg: RunConfig, drafter_dir: Path | None, drafter: DrafterShape | None,
@@ -116,17 +127,31 @@ def node_capacity(device: str, device_gb: float | None) -> Capacity:
 
 
 def dry_run(cfg: RunConfig, device_gb: float | None = None, json_path: Path | None = None,
-            cache_dir: Path | None = None) -> int:
-    """Every check the run makes before its first step (run/preflight.py), the plans printed
-    (and written to json_path); raises a user error at the first that fails."""
+            cache_dir: Path | None = None, run_dir: Path | None = None, resume: bool = False,
+            resume_force: bool = False, overwrite: bool = False) -> int:
+    """Every check the run makes before its first step, in its order, the plans printed (and
+    written to json_path); raises a user error at the first that fails. run_dir (the run's):
+    its owner and contents as the run's claim checks them (run/run_dir.py), the checkpoint a
+    resume would start from (sizes checked, not hashed), then run/preflight.py; nothing is
+    created or taken there."""
+    from fastdraft.checkpoint import CheckpointManager
+    from fastdraft.config.recipe import config_dict
+    from fastdraft.errors import Place
     from fastdraft.run.preflight import preflight
+    from fastdraft.run.resume_check import resume_point
+    from fastdraft.run.run_dir import check_run_dir_free
+    if run_dir is not None:
+        check_run_dir_free(run_dir, overwrite=overwrite)
+        with CheckpointManager(run_dir, keep=cfg.checkpoint.keep) as checkpoints:
+            resume_point(checkpoints, config_dict(cfg), resume or resume_force, resume_force,
+                         digests=False)
     capacity = node_capacity(cfg.model.device, device_gb)
-    plan = preflight(cfg, capacity, cache_dir, dry=True).plan
+    plan = preflight(cfg, capacity, cache_dir, None if run_dir is None
+                     else Place(run_dir, "--run-dir"), dry=True).plan
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"recipe": cfg.name, "device_bytes": capacity.total,
-                                         "usable_bytes": capacity.usable, **plan.as_dict()},
-                                        indent=2))
+        atomic_write_text(json_path, json.dumps(
+            {**json_stamp("dry run"), "recipe": cfg.name, "device_bytes": capacity.total,
+             "usable_bytes": capacity.usable, **plan.as_dict()}, indent=2))
     print(f"dry run: {cfg.name} fits (inputs checked, no weights loaded)")
     return 0
 

@@ -69,15 +69,16 @@ def resolve_policy(cfg: RunConfig, cache_dir: Path | None) -> Path:
 
 def check_policy_files(cfg: RunConfig) -> None:
     """model.path holds a checkpoint fastdraft runs: config.json of a supported architecture
-    (said first: nothing else matters for one it cannot run), a tokenizer, and weight files
-    that are whole (their headers; nothing is loaded)."""
+    (said first: nothing else matters for one it cannot run), a tokenizer, weight files that
+    are whole and hold every weight of its shape in a float dtype (their headers; nothing is
+    loaded), and as many positions as the run's sequences take."""
     if cfg.model.path is None:
         return
     from fastdraft.models import ModelConfig
-    from fastdraft.models.loading import weight_files
+    from fastdraft.models.loading import check_weight_headers
     path = Path(cfg.model.path).expanduser()
     try:
-        ModelConfig.from_pretrained(path)
+        model_config = ModelConfig.from_pretrained(path)
     except (ValueError, KeyError) as err:   # KeyError: a key every supported config has
         what = f"no {err} in it" if isinstance(err, KeyError) else str(err)
         raise FastdraftError(f"model.path {path}: {what}") from None
@@ -85,7 +86,15 @@ def check_policy_files(cfg: RunConfig) -> None:
         raise FastdraftError(
             f"model.path {path}: no tokenizer files there (one of {', '.join(TOKENIZER_FILES)}):"
             " copy them from the checkpoint the weights came from")
-    weight_files(path)
+    check_weight_headers(path, model_config, "model.path")
+    longest = rollout_seq_len(cfg)
+    if longest > model_config.max_position_embeddings and not cfg.model.extend_positions:
+        raise FastdraftError(
+            f"the run's sequences reach {longest} tokens (rollout.max_seq_len, or the longest "
+            f"prompt + rollout.max_new_tokens), past model.path's max_position_embeddings "
+            f"{model_config.max_position_embeddings} (its config.json): lower "
+            "rollout.max_new_tokens / rollout.max_seq_len, use a policy made for longer "
+            "sequences, or set model.extend_positions=true to run it past its length")
 
 
 def load_tokenizer(policy_dir: Path, setting: str) -> Any:

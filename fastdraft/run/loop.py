@@ -13,6 +13,7 @@ import torch
 from fastdraft.algo.gate import GateTolerance, LosslessGateError, check_gate
 from fastdraft.algo.sequences import SequenceBatch, build_batch
 from fastdraft.algo.token_stats import TokenStats
+from fastdraft.checkpoint import CheckpointWriteError
 from fastdraft.engine import Completion, SamplingParams
 from fastdraft.run.stop import StopRequest
 from fastdraft.utils.memory import rss_mb
@@ -24,17 +25,25 @@ if TYPE_CHECKING:
 def train(run: Run) -> None:
     """The run's steps, then its end (drafter saved and exported, dashboard). A SIGTERM or SIGINT
     ends it after the step under way with a checkpoint and RunStopped, or at once when that
-    does not fit in checkpoint.stop_grace_s (run/stop.py)."""
+    does not fit in checkpoint.stop_grace_s (run/stop.py). A checkpoint write that failed ends
+    it at the first step boundary that sees the failure (the write runs beside the next step:
+    one still running is seen at the boundary after), or before its end: as a normal end does,
+    and then raises the CheckpointWriteError (the newest whole checkpoint is on disk)."""
     last = run.cfg.algorithm.num_steps
-    with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop,
-                     on_abandon=run.kill_helpers) as stop:
-        for step in range(run.start_step, last):
-            run.clock.start_step()
-            train_step(run, step)
-            run.clock.end_step()
-            if stop.signum is not None and step + 1 < last:
-                run.stop(step + 1, stop.signum)
-        run.finish()
+    try:
+        with StopRequest(run.cfg.checkpoint.stop_grace_s, run.clock.time_to_stop,
+                         on_abandon=run.kill_helpers) as stop:
+            for step in range(run.start_step, last):
+                run.clock.start_step()
+                train_step(run, step)
+                run.clock.end_step()
+                run.check_checkpoint()
+                if stop.signum is not None and step + 1 < last:
+                    run.stop(step + 1, stop.signum)
+            run.finish()
+    except CheckpointWriteError:
+        run.end_after_write_failure()
+        raise
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

@@ -25,7 +25,14 @@ import torch
 from fastdraft.actor.memory_plan import RunPlan, check_run_plan
 from fastdraft.config import RunConfig
 from fastdraft.data.prompts import PromptSource
-from fastdraft.errors import FastdraftError, Place, check_free_space, writable_dir
+from fastdraft.errors import (
+    FastdraftError,
+    Place,
+    check_creatable,
+    check_free_space,
+    existing_ancestor,
+    writable_dir,
+)
 from fastdraft.run.inputs import (
     check_devices,
     check_drafter_source,
@@ -67,7 +74,8 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
         check_ranks(cfg)
     else:
         print(f"devices not checked: {cfg.model.device} planned for a node of "
-              f"{cfg.actor.num_ranks} GPU(s), and this machine has none")
+              f"{cfg.actor.num_ranks} GPU(s), and this machine has none (nor the run "
+              "directory's free space: the node's disk is another)")
     check_backend(cfg)
     if cfg.cluster.backend == "ray":
         from fastdraft.cluster.ray_cluster import check_address
@@ -78,8 +86,8 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
         rows = load_prompts(Path(cfg.data.path).expanduser(), cfg.data.prompt_key,
                             cfg.data.answer_key)
     max_seq_len = rollout_seq_len(cfg)
-    if run_dir is not None:
-        writable_dir(run_dir)   # a read-only / full disk or a file in the way: one line, now
+    if run_dir is not None:   # a read-only / full disk or a file in the way: one line, now
+        writable_dir(run_dir) if not dry else check_creatable(run_dir)
     policy_dir = cached_policy(cfg, cache_dir) if dry else resolve_policy(cfg, cache_dir)
     tokenizer = load_tokenizer(policy_dir, "model.path" if cfg.model.path else "the policy")
     prompts = PromptSource(cfg.data, tokenizer, max_seq_len - cfg.rollout.max_new_tokens, rows)
@@ -88,6 +96,7 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
     else:
         drafter_dir = resolve_drafter(cfg, policy_dir, None if run_dir is None
                                       else run_dir.path / "imported-drafter")
+    check_drafter_fits_policy(cfg, policy_dir, drafter_dir)
     from fastdraft.run.dry_run import plan_run, smallest_tensor_parallel
     capacity = capacity or device_capacity(cfg.model.device)
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)
@@ -105,10 +114,31 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
             raise
         raise FastdraftError(f"{err}; or split each engine replica over {tp} hybrid workers: "
                              f"rollout.tensor_parallel={tp} fits") from None
-    if run_dir is not None:
-        check_free_space(run_dir, int(1.1 * plan.actor.host), "a checkpoint (fp32 weights and "
+    if run_dir is not None and (not dry or devices_here(cfg)):
+        check_free_space(Place(existing_ancestor(run_dir.path), run_dir.setting),
+                         int(1.1 * plan.actor.host), "a checkpoint (fp32 weights and "
                          "AdamW moments)")
     return RunInputs(policy_dir, drafter_dir, tokenizer, prompts, max_seq_len, plan)
+
+
+def check_drafter_fits_policy(cfg: RunConfig, policy_dir: Path, drafter_dir: Path | None
+                              ) -> None:
+    """The drafter the run serves fits the policy (what loading it refuses, from its files: an
+    engine directory was checked as it was read), and the online trainer's loss fits its
+    kind."""
+    if drafter_dir is None or not (drafter_dir / "drafter_config.json").is_file():
+        kind = cfg.drafter.kind   # the drafter a run warms up (an engine directory: EAGLE-3)
+        if drafter_dir is not None:
+            from fastdraft.export.imports import engine_layout
+            kind = "eagle1" if engine_layout(drafter_dir) == "eagle1" else "eagle3"
+    else:
+        from fastdraft.drafter.checkpoint import check_drafter_fits, read_drafter_config
+        from fastdraft.models import ModelConfig
+        check_drafter_fits(drafter_dir, ModelConfig.from_pretrained(policy_dir), "drafter.path")
+        kind = read_drafter_config(drafter_dir)["kind"]
+    if cfg.drafter.online.enabled and cfg.rollout.spec.uses_drafter:
+        from fastdraft.trainer.online_drafter import online_loss
+        online_loss(cfg.drafter.online.loss, kind)
 
 
 def devices_here(cfg: RunConfig) -> bool:

@@ -18,6 +18,7 @@ from fastdraft.errors import FastdraftError
 #: Dotted keys (or prefixes ending in ".") a resumed run may change.
 FREE_ON_RESUME = (
     "name", "algorithm.num_steps", "algorithm.gate.", "logging.", "checkpoint.", "model.device",
+    "model.extend_positions",
     "rollout.max_batch_size", "rollout.spec.", "rollout.tuner.", "rollout.budget.",
     "rollout.graphs", "rollout.compile", "rollout.kv_block_size", "rollout.kv_cache_gb",
     "rollout.prefill_chunk_tokens", "rollout.paged_attention",
@@ -60,3 +61,22 @@ def check_resume_config(checkpoint: Path, new: dict[str, Any], force: bool) -> N
                              "/config.yaml, or pass --resume-force to continue under the new ones")
     if changed:
         print("resuming with changed settings (--resume-force): " + "; ".join(changed))
+
+
+def resume_point(checkpoints: Any, config: dict[str, Any], resume: bool, resume_force: bool,
+                 digests: bool = True) -> Path | None:
+    """The checkpoint a run in checkpoints.root's run directory starts from (None: a fresh
+    start), or a one-line refusal: --resume with no complete checkpoint, a fresh start over a
+    run that has one, a resume whose recipe changes what is learned. `checkpoints` a
+    CheckpointManager; digests: hash every file (a resume does; a dry run checks sizes)."""
+    run_dir = checkpoints.root.parent
+    latest = checkpoints.latest(digests=digests) if resume else None
+    if resume and latest is None:
+        raise FastdraftError(f"--resume: no complete checkpoint in {checkpoints.root}; start a "
+                             "new run without --resume")
+    if not resume and checkpoints.root.is_dir() and checkpoints.latest():
+        raise FastdraftError(f"{run_dir} already holds a run: pass --resume to continue it, or "
+                             "choose another --run-dir")
+    if latest is not None:   # before anything is written: a refused resume changes nothing
+        check_resume_config(latest, config, resume_force)
+    return latest

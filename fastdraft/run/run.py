@@ -21,7 +21,7 @@ from fastdraft.actor.rank import ActorSpec
 from fastdraft.algo.gate import GateTolerance
 from fastdraft.algo.objective import Algorithm
 from fastdraft.backends import build_rollout
-from fastdraft.checkpoint import CheckpointManager, TrainState
+from fastdraft.checkpoint import CheckpointManager, CheckpointWriteError, TrainState
 from fastdraft.checkpoint.layout import MODEL_DIR, validate
 from fastdraft.checkpoint.sharded import is_sharded, policy_weights
 from fastdraft.checkpoint.state import RngState
@@ -43,11 +43,13 @@ from fastdraft.run.placement import (
     trainer_placement,
 )
 from fastdraft.run.preflight import preflight
-from fastdraft.run.resume_check import check_resume_config
-from fastdraft.run.stop import RunStopped, StepClock, stop_signal_in
+from fastdraft.run.resume_check import resume_point
+from fastdraft.run.run_dir import RunDirLock
+from fastdraft.run.stop import RunStopped, StepClock
 from fastdraft.trainer.fixed_drafter import FixedDrafter
 from fastdraft.trainer.online_drafter import OnlineDrafter
 from fastdraft.utils.atomic import atomic_write_text
+from fastdraft.utils.stop_signals import stop_signal_in
 from fastdraft.workers.actor import Actor
 from fastdraft.workers.pool import RolloutPool
 
@@ -58,15 +60,8 @@ class Run:
         self.cfg, self.run_dir = cfg, run_dir
         self.clock = StepClock()   # the step and checkpoint times a stop signal is judged by
         self.checkpoints = CheckpointManager(run_dir, keep=cfg.checkpoint.keep)
-        latest = self.checkpoints.latest(digests=True) if resume else None
-        if resume and latest is None:
-            raise FastdraftError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'};"
-                                 " start a new run without --resume")
-        if not resume and (run_dir / "checkpoints").is_dir() and self.checkpoints.latest():
-            raise FastdraftError(f"{run_dir} already holds a run: pass --resume to continue it, "
-                                 "or choose another --run-dir")
-        if latest is not None:   # before anything is written: a refused resume changes nothing
-            check_resume_config(latest, config_dict(cfg), resume_force)
+        # The checkpoint it resumes from (the dry run's check too), before anything is written.
+        latest = resume_point(self.checkpoints, config_dict(cfg), resume, resume_force)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         # Every check before the first step (the dry run's too), the bootstrap policy and its
@@ -117,6 +112,7 @@ class Run:
                            ranks=actor_ranks(cfg, self.pool, self.worker_ranks))
         if self.worker_ranks is not None:
             self.checkpoints.pending_elsewhere = self.worker_ranks.wait_checkpoint
+            self.checkpoints.poll_elsewhere = self.worker_ranks.poll_checkpoint
         self.algorithm = Algorithm(cfg.algorithm, cfg.rollout.temperature,
                                    max_tokens=cfg.rollout.max_new_tokens)
         # The gate's limits follow the dtypes of both sides' logprobs (the coarser rules).
@@ -223,6 +219,9 @@ class Run:
     def save_checkpoint(self, step: int) -> None:
         start = time.perf_counter()
         if self.worker_ranks is not None:   # worker 0 writes it: no weight comes here
+            # The previous write's failure raised here, before the collective: worker 0 would
+            # raise it inside one, and leave its peers waiting there.
+            self.worker_ranks.wait_checkpoint()
             _, previous = self.worker_ranks.save_checkpoint(
                 str(self.checkpoints.root), self.cfg.checkpoint.keep, step,
                 {"config": config_dict(self.cfg), "drafter": self._drafter_state(),
@@ -240,6 +239,38 @@ class Run:
         self.last_checkpoint_s = time.perf_counter() - start
         self.clock.checkpoint_s = self.last_checkpoint_s + self.checkpoints.last_write_s
         self.saved_step = step
+
+    def check_checkpoint(self) -> None:
+        """At a step boundary, without waiting: a checkpoint write that failed raises its
+        CheckpointWriteError here; one still running is checked at the next boundary (and at
+        the next save, and before the run's end, which wait for it)."""
+        self.checkpoints.poll()
+
+    def end_after_write_failure(self) -> None:
+        """The run's end after a checkpoint write failed (the caller raises that error, the
+        line the user reads): the helpers closed, then the drafter saved and exported and the
+        metrics closed as at a normal end, as far as the run directory still takes files (what
+        did not is one line); the newest whole checkpoint is what a resume starts from."""
+        try:   # failed: hybrid worker 0 may wait in a collective a peer left (bounded wait)
+            self._close_helpers(failed=True)
+        except CheckpointWriteError:
+            pass   # the write being reported (hybrid: worker 0's, seen again), or the next
+        except Exception as err:
+            print(f"fastdraft: while closing after a failed checkpoint write: {err!r}",
+                  file=sys.stderr)
+        try:
+            self._save_outputs()
+        except Exception as err:   # best effort: the failed write is the error to report
+            from fastdraft.errors import describe_os_error, os_error_in
+            found = os_error_in(err)
+            why = describe_os_error(found, [Place(self.run_dir, "--run-dir")]) if found else err
+            print(f"fastdraft: warning: the run's drafter, export or dashboard was not written "
+                  f"after the failed checkpoint write: {why}", file=sys.stderr)
+        finally:
+            try:
+                self.logger.close()
+            except Exception as err:
+                print(f"fastdraft: while closing the metrics: {err!r}", file=sys.stderr)
 
     def stop(self, step: int, signum: int) -> None:
         """Ends the run after `step` steps on a stop signal: a checkpoint of it (unless the loop
@@ -297,6 +328,11 @@ class Run:
 
     def finish(self) -> None:
         self._close_helpers()
+        self._save_outputs()
+        self.logger.close()
+
+    def _save_outputs(self) -> None:
+        """What a run leaves at its end: its drafter (saved and exported), its dashboard."""
         drafter = self.engine.model_drafter
         if drafter is not None:  # saved even unexported, so `fastdraft export --run` can retry
             from fastdraft.export.run_export import export_run_drafter
@@ -307,15 +343,22 @@ class Run:
             with policy_weights(latest) if latest else nullcontext() as policy:
                 print(export_run_drafter(self.run_dir, drafter.kind, policy,
                                          export=self.cfg.drafter.export).report())
-        self.logger.close()
         if self.cfg.logging.dashboard:
             print(f"dashboard: {draw_dashboard(self.run_dir)}")
 
 
 def run_recipe(cfg: RunConfig, run_dir: Path, resume: bool = False,
-               cache_dir: Path | None = None, resume_force: bool = False) -> Any:
-    """Runs the recipe to its end. A run whose actor rank died (a killed process, a lost GPU)
-    resumes from its last checkpoint by itself, cluster.max_actor_restarts times."""
+               cache_dir: Path | None = None, resume_force: bool = False,
+               overwrite: bool = False) -> Any:
+    """Runs the recipe to its end, holding run_dir's lock (run/run_dir.py; `overwrite`: run_dir
+    may hold files fastdraft did not write). A run whose actor rank died (a killed process, a
+    lost GPU) resumes from its last checkpoint by itself, cluster.max_actor_restarts times."""
+    with RunDirLock.claim(Path(run_dir), overwrite=overwrite):
+        return _run_to_end(cfg, Path(run_dir), resume, cache_dir, resume_force)
+
+
+def _run_to_end(cfg: RunConfig, run_dir: Path, resume: bool, cache_dir: Path | None,
+                resume_force: bool) -> Run:
     from fastdraft.run.loop import train
     restarts = 0
     while True:
@@ -362,8 +405,8 @@ def lost_actor_rank(run: Run, err: BaseException) -> str | None:
     for link in exception_chain(err):
         if isinstance(link, ActorRankError):
             return str(link).splitlines()[0]
-    if not isinstance(err, Exception):   # KeyboardInterrupt and the like: not a lost rank
-        return None
+    if not isinstance(err, Exception) or isinstance(err, CheckpointWriteError):
+        return None   # a stop (KeyboardInterrupt and the like), a disk: not a lost rank
     try:   # a collective's error (a RuntimeError) may be seen before its peer's death is
         return run.actor.lost_rank(grace_s=LOST_RANK_GRACE_S if isinstance(err, RuntimeError)
                                    else 0.0)

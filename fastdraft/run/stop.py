@@ -7,12 +7,12 @@ run ends with RunStopped (the CLI prints `stopped at step N; resume with: ...` a
 130, as shells do). If they do not fit, or a second signal comes, the step is abandoned at once
 (Interrupted): the newest checkpoint on disk is still whole (checkpoint/ writes atomically), only
 the steps after it are lost. Outside the step loop (building the engine, a bootstrap) SIGTERM is
-Interrupted too, as SIGINT is KeyboardInterrupt. Helper processes ignore both signals and die
-with the run (utils/process.py)."""
+Interrupted too, as SIGINT is KeyboardInterrupt (utils/stop_signals.py: the process-level
+handlers, and further signals while a stop is carried out). Helper processes ignore both signals
+and die with the run (utils/process.py)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -21,9 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from fastdraft.errors import exception_chain
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from fastdraft.utils.stop_signals import SIGNALS, abandon_now
 
 
 class RunStopped(Exception):
@@ -34,59 +32,6 @@ class RunStopped(Exception):
         self.abandoned = abandoned   # the step under way was dropped; `step` is on disk
         self.exit_code = 128 + signum
         super().__init__(f"stopped at step {step} on {signal.Signals(signum).name}")
-
-
-class Interrupted(BaseException):
-    """A stop signal that ends the work under way at once (SIGINT's is KeyboardInterrupt)."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-def stop_signal_in(err: BaseException) -> int | None:
-    """The signal of the Interrupted / KeyboardInterrupt in err's chain (itself, its cause or
-    its context), if any."""
-    for link in exception_chain(err, hidden=True):   # a stop is a stop, even replaced
-        if isinstance(link, Interrupted):
-            return link.signum
-        if isinstance(link, KeyboardInterrupt):
-            return signal.SIGINT
-    return None
-
-
-def interrupt_on_sigterm() -> None:
-    """SIGTERM raises Interrupted in the main thread (whatever it does), so `finally` blocks
-    and the CLI's one line run instead of the silent default death."""
-    def handle(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted(signum)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handle)
-        resend_swallowed_stops()
-
-
-def resend_swallowed_stops() -> None:
-    """A stop raised while Python runs a finalizer (a `__del__` the garbage collector called, a
-    weakref callback) cannot leave it: Python prints "Exception ignored in ..." and goes on, and
-    the run would finish the work it was told to stop (seen in CI: a SIGTERM landed in a regex
-    object's `__del__`). The unraisable hook sends such a stop's signal again from a helper
-    thread, so the main thread meets it after the finalizer, where it can unwind."""
-    previous = sys.unraisablehook
-    if getattr(previous, "resends_stops", False):
-        return
-
-    def hook(unraisable: sys.UnraisableHookArgs) -> None:
-        err = unraisable.exc_value
-        signum = (err.signum if isinstance(err, Interrupted)
-                  else signal.SIGINT if isinstance(err, KeyboardInterrupt) else None)
-        if signum is None:
-            previous(unraisable)
-            return
-        resend = threading.Timer(0.01, os.kill, (os.getpid(), signum))
-        resend.daemon = True
-        resend.start()
-    hook.resends_stops = True   # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 class StopRequest:
@@ -121,7 +66,7 @@ class StopRequest:
         if self.signum is not None:   # the second signal: stop now
             self.__exit__()
             self.on_abandon()
-            raise Interrupted(signum)
+            raise abandon_now(signum)
         needed = self.time_to_stop()
         if needed is None or needed > self.grace_s:
             known = "unknown" if needed is None else f"~{needed:.0f} s"
@@ -130,7 +75,7 @@ class StopRequest:
                   f"{self.grace_s:g} s)", file=sys.stderr, flush=True)
             self.__exit__()
             self.on_abandon()
-            raise Interrupted(signum)
+            raise abandon_now(signum)
         self.signum = signum
         print(f"\nfastdraft: {name}: stopping after this step, with a checkpoint (~{needed:.0f} "
               "s; send it again to stop at once)", file=sys.stderr, flush=True)

@@ -1,5 +1,7 @@
 """Atomic writes: readers (and a restarted run) see the old result or the whole new one, never a
-half-written file or directory, even if the process is killed mid-write."""
+half-written file or directory, even if the process is killed mid-write. A published directory
+carries fastdraft's marker of what it holds (utils/outputs.py), and replaces only a path that
+fastdraft may replace."""
 
 from __future__ import annotations
 
@@ -10,11 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from fastdraft.errors import FastdraftError
+from fastdraft.utils.outputs import mark, replaceable
 
-def publish_dir(tmp: str | Path, final: str | Path) -> None:
-    """Renames a finished temp dir onto `final`; an existing `final` is moved aside first (a
+
+def publish_dir(tmp: str | Path, final: str | Path, kind: str, overwrite: bool = False) -> None:
+    """Renames a finished temp dir onto `final`, marked as holding `kind`; an existing `final`
+    (empty, or fastdraft's own `kind`; anything with `overwrite`) is moved aside first (a
     directory cannot be replaced in one rename) and removed after."""
     final = Path(final)
+    if not overwrite and not replaceable(final, kind):
+        raise FastdraftError(f"{final} exists and fastdraft did not write it as a {kind}: not "
+                             "replaced; choose another path or remove it")
+    mark(tmp, kind)
     if final.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
         os.replace(final, old / "x")
@@ -23,15 +33,16 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
 
 
 @contextmanager
-def atomic_dir(final: str | Path, tmp: str | Path | None = None) -> Iterator[Path]:
+def atomic_dir(final: str | Path, tmp: str | Path | None = None, *, kind: str,
+               overwrite: bool = False) -> Iterator[Path]:
     """Yields a temp dir beside `final` (`tmp`: one made already, by temp_dir_for); fill it,
-    and on a clean exit it replaces `final`. On an error the temp dir is removed and `final`
-    is untouched."""
+    and on a clean exit it replaces `final` (publish_dir: `kind` and `overwrite`). On an error
+    the temp dir is removed and `final` is untouched."""
     final = Path(final)
     tmp = Path(tmp) if tmp is not None else temp_dir_for(final)
     try:
         yield tmp
-        publish_dir(tmp, final)
+        publish_dir(tmp, final, kind, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

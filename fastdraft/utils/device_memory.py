@@ -14,6 +14,7 @@ actor's rank 0 after it, on the same GPU, so it reserves the actor's plan for ra
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +111,18 @@ def process_peak_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/self/status has no VmHWM line")
+
+
+def check_device_option(device: str, flag: str) -> None:
+    """A command's device option names a device this torch has, told before any work (torch's
+    own error is an assertion deep inside the first allocation)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", device) is None:
+        raise FastdraftError(f"{flag} must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = ("a CPU build" if torch.version.cuda is None else "a CUDA build that sees no GPU")
+        raise FastdraftError(f"{flag} {device}, but this torch ({torch.__version__}) is {build}: "
+                             f"install a CUDA build (README: Run on a GPU) or use {flag} cpu")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise FastdraftError(f"{flag} {device}, but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")

@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from fastdraft.errors import FastdraftError
+
 _OS_ERROR = re.compile(r"os error (\d+)")
 
 
@@ -60,7 +62,46 @@ def damaged_safetensors(path: str | Path) -> str | None:
 def check_safetensors(path: str | Path, what: str) -> None:
     """A FastdraftError naming the file (what: whose file it is, e.g. "model.path") when the
     header says it is damaged."""
-    from fastdraft.errors import FastdraftError
     why = damaged_safetensors(path)
     if why is not None:
         raise FastdraftError(f"{what}: {path} is damaged ({why}): copy or download it again")
+
+
+#: safetensors dtypes fastdraft loads weights from (cast to the run's dtype); an integer or
+#: quantized tensor would be cast silently into garbage.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def tensor_headers(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (safetensors dtype, shape) of every tensor in the file, from its header alone."""
+    with Path(path).open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
+            if name != "__metadata__"}
+
+
+def check_tensor_headers(found: dict[str, tuple[str, tuple[int, ...]]],
+                         expected: dict[str, tuple[int, ...]], what: str,
+                         optional: frozenset[str] = frozenset()) -> None:
+    """The tensors a model needs (name -> shape; `optional` ones may be absent) against what
+    its files hold (tensor_headers): every one there, of its shape and a float dtype; else a
+    FastdraftError naming the first problem and how many share it. `what` names the files."""
+    missing = sorted(set(expected) - set(found) - optional)
+    if missing:
+        raise FastdraftError(f"{what} lacks {len(missing)} of the {len(expected)} weights its "
+                             f"config.json needs, e.g. {missing[:3]}: the files are incomplete or "
+                             "of another model")
+    wrong = [(n, found[n][1], shape) for n, shape in expected.items()
+             if n in found and found[n][1] != shape]
+    if wrong:
+        name, has, want = wrong[0]
+        raise FastdraftError(f"{what}: {name} has shape {list(has)}, its config.json says "
+                             f"{list(want)} ({len(wrong)} weight(s) differ): the weights and "
+                             "config.json are of different models")
+    ints = [(n, found[n][0]) for n in expected if n in found and found[n][0] not in FLOAT_DTYPES]
+    if ints:
+        name, dtype = ints[0]
+        raise FastdraftError(f"{what}: {name} is {dtype}, not a float type ({len(ints)} "
+                             f"weight(s) are): fastdraft loads float16 / bfloat16 / float32 "
+                             "weights; dequantize the checkpoint (or use its unquantized one)")

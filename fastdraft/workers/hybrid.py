@@ -17,6 +17,7 @@ path."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ import torch
 
 from fastdraft.actor.rank import ActorRank, ActorSpec
 from fastdraft.actor.sharding import broadcast_flat, free_port
-from fastdraft.checkpoint import CheckpointManager, TrainState
+from fastdraft.checkpoint import CheckpointManager, CheckpointWriteError, TrainState
+from fastdraft.checkpoint.layout import step_dir_name
 from fastdraft.checkpoint.sharded import ShardedActor
 from fastdraft.errors import FastdraftError
 from fastdraft.models.tensor_parallel import replica_of
@@ -176,14 +178,20 @@ class HybridWorker(RolloutWorker):
         0 then adds `rest` (the driver's part: config, drafter, extra, rng) and the LR schedule
         through a CheckpointManager of its own, which publishes the whole in the background
         (checkpoint/sharded.py). No weight leaves its rank. (seconds the call took, the
-        previous write's seconds)."""
+        previous write's seconds). A shard this worker could not write is a
+        CheckpointWriteError (the driver ends the run with it: a disk, not a lost rank)."""
         start = time.perf_counter()
         into = None
         if self.actor.rank == 0:
             if self.checkpoints is None:
                 self.checkpoints = CheckpointManager(Path(root).parent, keep)
             into = self.checkpoints.temp_dir(step)   # after the previous write
-        written = self.actor.save_shards(into)
+        try:
+            written = self.actor.save_shards(into)
+        except OSError as err:
+            if into is not None:   # nothing of it is published
+                shutil.rmtree(into, ignore_errors=True)
+            raise CheckpointWriteError(Path(root) / step_dir_name(step), err) from err
         if written is not None:
             schedule = self.actor.schedule_state()
             self.checkpoints.save(step, TrainState(
@@ -195,12 +203,25 @@ class HybridWorker(RolloutWorker):
         previous = self.checkpoints.last_write_s if self.checkpoints is not None else 0.0
         return time.perf_counter() - start, previous
 
-    def wait_checkpoint(self) -> float:
-        """Worker 0's pending checkpoint write on disk (its error raised here); its seconds."""
-        if self.checkpoints is None:
-            return 0.0
-        self.checkpoints.wait()
-        return self.checkpoints.last_write_s
+    def wait_checkpoint(self) -> CheckpointWriteError | None:
+        """Worker 0's pending checkpoint write on disk; its error returned (a value, whole on the
+        driver, which raises it: not a failed call, which would read as a lost rank)."""
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+        except CheckpointWriteError as err:
+            return err
+        return None
+
+    def poll_checkpoint(self) -> CheckpointWriteError | None:
+        """wait_checkpoint() without waiting: a write still running is None (looked at again at
+        the next step boundary)."""
+        try:
+            if self.checkpoints is not None:
+                self.checkpoints.poll()
+        except CheckpointWriteError as err:
+            return err
+        return None
 
     def policy_head(self) -> list[tuple[str, torch.Tensor]]:
         """The engine's embedding and head (HEAD), for the driver's host replica."""

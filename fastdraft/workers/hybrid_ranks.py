@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastdraft.checkpoint.manager import CheckpointWriteError
 from fastdraft.errors import FastdraftError
 from fastdraft.models import ModelConfig
 from fastdraft.workers.ranks import REPLY_TIMEOUT_S, ActorRankError, PerRank, answer
@@ -70,12 +71,25 @@ class WorkerRanks:
         if self.closed:
             return
         try:
-            get_all([self.workers[0].wait_checkpoint.remote()], "the checkpoint write",
-                    self.timeout_s if timeout_s is None else timeout_s)
+            [failed] = get_all([self.workers[0].wait_checkpoint.remote()], "the checkpoint write",
+                               self.timeout_s if timeout_s is None else timeout_s)
         except ActorRankError:
             if timeout_s is None:
                 raise
             self.closed = True
+            return
+        if failed is not None:   # worker 0's CheckpointWriteError, its OS error as the cause
+            raise failed
+
+    def poll_checkpoint(self) -> None:
+        """wait_checkpoint() without waiting for the write (a step boundary's look): a write
+        worker 0 saw fail raises its CheckpointWriteError here."""
+        if self.closed:
+            return
+        [failed] = get_all([self.workers[0].poll_checkpoint.remote()],
+                           "the checkpoint write's state", self.timeout_s)
+        if failed is not None:
+            raise failed
 
     def lost(self, grace_s: float = 0.0) -> str | None:
         import ray
@@ -113,6 +127,8 @@ def get_all(futures: list[Any], what: str, timeout_s: float = REPLY_TIMEOUT_S) -
             raise ActorRankError(f"hybrid worker {rank} (actor rank {rank}) died during "
                                  f"{what}") from None
         except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, CheckpointWriteError):   # a disk, not a lost rank: at once
+                raise err.cause from err.cause.error
             # A collective fails on every rank when one dies: name the dead one if there is
             dead = _died(pending, rank_of)
             if dead is not None:

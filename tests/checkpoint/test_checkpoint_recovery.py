@@ -110,6 +110,55 @@ def test_writer_error_surfaces_at_next_save_and_wait(tmp_path, model_and_opt, mo
             _save(manager, 5, model_and_opt)
 
 
+def test_poll_raises_a_failed_write_without_waiting_for_a_running_one(tmp_path, model_and_opt,
+                                                                     monkeypatch):
+    """A step boundary's look: a write still running is left to run, one that failed raises
+    once, with the checkpoint's path and the OS error (and pickles whole: a hybrid worker's
+    reaches the driver)."""
+    import pickle
+    import threading
+    release = threading.Event()
+
+    def full_later(*args, **kwargs):
+        release.wait(timeout=30)
+        raise OSError(28, "No space left on device", str(tmp_path / "checkpoints" / "x"))
+
+    manager = CheckpointManager(tmp_path, keep=2)
+    monkeypatch.setattr(write_mod, "save_model", full_later)
+    _save(manager, 1, model_and_opt)
+    manager.poll()   # running: nothing to say, nothing waited for
+    release.set()
+    manager._pending[1].exception(timeout=30)   # the write has ended (failed)
+    with pytest.raises(CheckpointWriteError, match=r"step-000001 not written.*No space") as e:
+        manager.poll()
+    assert isinstance(e.value.__cause__, OSError) and e.value.error.errno == 28
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.path == manager.root / "step-000001" and again.__cause__.errno == 28
+    manager.poll()
+    manager.wait()   # raised once
+    assert _names(manager) == []   # its temp dir removed
+    manager.close()
+
+
+def test_a_checkpoint_dir_that_takes_no_directory_fails_the_save_itself(tmp_path, model_and_opt,
+                                                                        monkeypatch):
+    """chmod a-w on checkpoints/: the save of that step raises (its temp dir is made there),
+    not a later one; the earlier checkpoint stays the newest."""
+    import fastdraft.checkpoint.manager as manager_mod
+    manager = CheckpointManager(tmp_path, keep=2)
+    _save(manager, 1, model_and_opt, block=True)
+
+    def denied(final):
+        raise PermissionError(13, "Permission denied", str(final.parent / ".step-000002.tmp"))
+    monkeypatch.setattr(manager_mod, "temp_dir_for", denied)
+    with pytest.raises(CheckpointWriteError, match=r"step-000002 not written.*Permission") as e:
+        _save(manager, 2, model_and_opt)
+    assert e.value.error.errno == 13
+    manager.wait()   # nothing pending
+    assert manager.latest() == manager.root / "step-000001"
+    manager.close()
+
+
 def _damage_inside(path, offset_from_end=64):
     """Overwrites bytes inside the file's data, size unchanged: sizes and headers still agree."""
     with path.open("r+b") as f:

@@ -75,20 +75,44 @@ def _local_paths(root: Path, hf: dict) -> list[str]:
     vocabulary (as the recipes' warm-up command makes), and a one-row parquet dataset: the
     recipe's three paths, as overrides."""
     import pandas as pd
-    import torch
-    from safetensors.torch import save_file
 
     from fastdraft.bootstrap.tokenizer import build_char_tokenizer
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text(json.dumps(hf))
     build_char_tokenizer(root / "model")
-    save_file({"stand_in": torch.zeros(4)}, str(root / "model" / "model.safetensors"))
+    _header_only_weights(hf, root / "model" / "model.safetensors")
     (root / "drafter").mkdir()
-    (root / "drafter" / "drafter_config.json").write_text(json.dumps(
-        {"kind": "eagle3", "policy_config": hf, "draft_token_ids": list(range(32768))}))
+    drafter = {"kind": "eagle3", "policy_config": hf, "draft_token_ids": list(range(32768))}
+    (root / "drafter" / "drafter_config.json").write_text(json.dumps(drafter))
+    _header_only_weights(hf, root / "drafter" / "model.safetensors", drafter)
     pd.DataFrame({"prompt": ["1+1="], "answer": ["2"]}).to_parquet(root / "train.parquet")
     return [f"model.path={root / 'model'}", f"data.path={root / 'train.parquet'}",
             f"drafter.path={root / 'drafter'}"]
+
+
+def _header_only_weights(hf: dict, path: Path, drafter: dict | None = None) -> None:
+    """A safetensors file whose header lists every weight of the config's model (of a drafter
+    for it, with `drafter` its drafter_config.json) in bf16 and whose data is a hole of the
+    right size (a sparse file: no disk used): what the dry run reads of real weights."""
+    import torch
+
+    from fastdraft.drafter import build_drafter
+    from fastdraft.drafter.checkpoint import saved_options
+    from fastdraft.models import CausalLM, ModelConfig
+    with torch.device("meta"):
+        config = ModelConfig.from_hf_dict(hf)
+        model = (CausalLM(config) if drafter is None else
+                 build_drafter(drafter["kind"], config, 1, **saved_options(drafter)))
+    header, offset = {}, 0
+    for name, param in model.named_parameters():
+        size = param.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(param.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + offset)
 
 
 def _dry_run(name: str, *args: str) -> int:

@@ -139,7 +139,7 @@ def test_export_replaces_an_earlier_export_but_nothing_else(llama_policy_dir, ex
     out = tmp_path / "out"
     (out / "vllm").mkdir(parents=True)
     (out / "vllm" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="not an earlier export"):
+    with pytest.raises(ValueError, match="1 entry fastdraft did not write"):
         export_drafter(drafter_dir, llama_policy_dir, out, "all")
     assert (out / "vllm" / "notes.txt").read_text() == "mine" and not (out / "sglang").exists()
     [first] = export_drafter(drafter_dir, llama_policy_dir, out, "sglang")

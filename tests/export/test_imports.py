@@ -151,13 +151,31 @@ def test_aux_layer_ids_count_hidden_states_as_hf_does(llama_policy_dir):
      "aux layers [1, 2, 6] (as layer inputs): the policy has layers 0..3"),
     (dict(config={"max_position_embeddings": 128}),
      "max_position_embeddings: drafter 128, policy 256"),
-], ids=["hidden", "vocab", "no-d2t", "aux-range", "positions"])
+    (dict(config={"hidden_size": "64"}), "hidden_size is '64' in its config.json, not a number"),
+], ids=["hidden", "vocab", "no-d2t", "aux-range", "positions", "string"])
 def test_each_mismatch_with_the_policy_is_one_line(llama_policy_dir, tmp_path, edit, line):
     src = _specforge_dir(tmp_path / "specforge", **edit)
     with pytest.raises(FastdraftError) as err:
         import_drafter(src, llama_policy_dir, tmp_path / "imported")
-    lines = str(err.value).splitlines()
-    assert len(lines) == 2 and lines[1].strip().startswith(line), lines
+    lines = str(err.value).splitlines()   # one line: the CLI prints it as the error
+    assert len(lines) == 1 and lines[0].split("does not fit the policy: ")[1].startswith(line), \
+        lines
+    assert not (tmp_path / "imported").exists()
+
+
+def test_an_integer_weight_or_a_config_that_is_not_json_is_one_line(llama_policy_dir,
+                                                                    tmp_path):
+    """An int32 fc.weight was cast silently (accept length 1.11 instead of ~5.9)."""
+    from safetensors.torch import load_file, save_file
+    src = _specforge_dir(tmp_path / "specforge")
+    tensors = load_file(src / "model.safetensors")
+    tensors["fc.weight"] = tensors["fc.weight"].to(torch.int32)
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(FastdraftError, match=r"fc\.weight is torch\.int32, not a float type"):
+        import_drafter(src, llama_policy_dir, tmp_path / "imported")
+    (src / "config.json").write_text("{not json")
+    with pytest.raises(FastdraftError, match=r"config\.json is not JSON \(Expecting"):
+        import_drafter(src, llama_policy_dir, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
 
 
@@ -187,3 +205,34 @@ def test_the_import_command_writes_a_drafter_the_run_loads(llama_policy_dir, tmp
     assert main(["drafter", "import", "--source", str(tmp_path), "--policy",
                  str(llama_policy_dir), "--out", str(tmp_path / "none")]) == 2
     assert "no config.json of an engine drafter" in capsys.readouterr().err
+
+
+def test_import_never_replaces_a_users_directory_or_file_or_its_source(llama_policy_dir,
+                                                                       tmp_path, capsys):
+    """`drafter import --out DIR` of a directory of the user's emptied it (rc 0); an --out file
+    became a drafter directory. Now: exit 2, one line, the files intact; an earlier drafter is
+    replaced; --overwrite is the user's say-so."""
+    from fastdraft.cli import main
+    from tests.test_outputs import snapshot
+    src = _specforge_dir(tmp_path / "specforge")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2="}\n')
+    base = ["drafter", "import", "--source", str(src), "--policy", str(llama_policy_dir)]
+    for out, line in ((mine, f"--out {mine}: it holds 1 entry fastdraft did not write"),
+                      (prompts, f"--out {prompts}: a file is there"),
+                      (src, f"--out {src} is --source {src}, an input of this command"),
+                      (llama_policy_dir, f"--out {llama_policy_dir} is --policy")):
+        before = {p: snapshot(p) for p in (mine, prompts, src, llama_policy_dir)}
+        assert main([*base, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and line in err[0], err
+        assert {p: snapshot(p) for p in before} == before
+    out = tmp_path / "imported"
+    assert main([*base, "--out", str(out)]) == 0
+    assert main([*base, "--out", str(out)]) == 0   # its own earlier drafter: replaced
+    assert main([*base, "--out", str(mine), "--overwrite"]) == 0
+    assert not (mine / "notes.txt").exists() and (mine / "drafter_config.json").is_file()
+    capsys.readouterr()

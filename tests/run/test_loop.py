@@ -79,7 +79,8 @@ def test_the_actor_scores_positions_beyond_the_checkpoints_trained_length(char_p
     # Prompts of 520-560 tokens: past char_policy's max_position_embeddings (512), where the
     # engine extends its rotary table; the actor must extend its own the same way.
     run = Run(_cfg(char_policy, "algorithm.num_steps=1", "data.task_options.min_terms=260",
-                   "data.task_options.max_terms=280"), tmp_path / "run")
+                   "data.task_options.max_terms=280", "model.extend_positions=true"),
+              tmp_path / "run")
     assert run.engine.max_seq_len > 512
     train(run)
     assert read_metrics(tmp_path / "run")[0]["rollout/logprob_diff_max"] < 1e-3

@@ -32,6 +32,7 @@ def test_a_zeroed_drafter_is_detected_and_rollouts_fall_back_to_plain(tmp_path, 
     save_drafter(drafter, tmp_path / "zeroed")
     cfg = load_recipe(Path("recipes/tiny-grpo.yaml"), [
         f"model.path={policy_dir}", f"drafter.path={tmp_path / 'zeroed'}",
+        "model.extend_positions=true",
         "drafter.online.enabled=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=48", f"algorithm.num_steps={HEALTH_WINDOW + 2}",
         "logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",
@@ -61,6 +62,7 @@ def test_a_zeroed_drafter_is_detected_and_rollouts_fall_back_to_plain(tmp_path, 
     # --resume keeps the fallback: no silent speculation with the drafter the run gave up on.
     resumed = Run(load_recipe(Path("recipes/tiny-grpo.yaml"), [
         f"model.path={policy_dir}", f"drafter.path={tmp_path / 'zeroed'}",
+        "model.extend_positions=true",
         "drafter.online.enabled=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=48", f"algorithm.num_steps={HEALTH_WINDOW + 3}",
         "logging.wandb.mode=disabled", "logging.progress=false", "logging.dashboard=false",

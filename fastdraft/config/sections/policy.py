@@ -15,7 +15,11 @@ from fastdraft.errors import FastdraftError
 class PolicyConfig:
     """The policy. path: an HF checkpoint directory; None = the bootstrap policy named by
     bootstrap (fastdraft/bootstrap/spec.py: tiny = the Qwen2 of the tiny CPU recipe, tiny-qwen3
-    = a Qwen3 with head_dim 64), trained once and cached."""
+    = a Qwen3 with head_dim 64), trained once and cached. extend_positions: a model.path policy
+    may serve and train sequences longer than its config.json's max_position_embeddings (the
+    engine and the actor extend its rotary table alike; what it does past its trained length is
+    its own); without it such a run is refused before any work. The bootstrap policies are
+    made to run past the 256 positions they trained on."""
 
     SECTION: ClassVar[str] = "model"
 
@@ -23,6 +27,7 @@ class PolicyConfig:
     bootstrap: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
+    extend_positions: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(self)
