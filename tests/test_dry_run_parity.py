@@ -93,6 +93,26 @@ def _other_policy_drafter(tmp: Path) -> Path:
     return tmp / "other-drafter"
 
 
+def _not_json_drafter(tmp: Path, drafter: Path) -> Path:
+    out = shutil.copytree(drafter, tmp / "not-json-drafter")
+    (out / "drafter_config.json").write_text("{not json")
+    return out
+
+
+def _specforge(tmp: Path, policy: Path, config: dict | None = None,
+               int_fc: bool = False) -> Path:
+    """A SpecForge EAGLE-3 directory for the policy (tests/export's writer), edited."""
+    from tests.export.conftest import specforge_checkpoint
+    vocab = json.loads((policy / "config.json").read_text())["vocab_size"]
+    out = specforge_checkpoint(tmp / "specforge", vocab=vocab, draft_vocab=vocab,
+                               sglang_aux_ids=[0, 0, 1], max_positions=512, config=config)
+    if int_fc:
+        tensors = load_file(out / "model.safetensors")
+        tensors["fc.weight"] = tensors["fc.weight"].to(torch.int32)
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 def _int_drafter(tmp: Path, drafter: Path) -> Path:
     out = shutil.copytree(drafter, tmp / "int-drafter")
     tensors = load_file(out / "model.safetensors")
@@ -152,6 +172,14 @@ CASES: list[tuple[str, Case, tuple[str, ...]]] = [
     ("drafter fits", lambda t, p, d: _eagle(_other_policy_drafter(t)),
      ("does not match the policy (hidden_size: drafter 32 vs policy 64",)),
     ("drafter fits", lambda t, p, d: _eagle(_int_drafter(t, d)), ("fc.weight is I32",)),
+    ("drafter fits", lambda t, p, d: _eagle(_not_json_drafter(t, d)),
+     ("drafter_config.json is not JSON",)),
+    ("drafter fits", lambda t, p, d: [*_eagle(_specforge(t, p, int_fc=True)),
+                                      "drafter.kind=eagle3"],
+     ("fc.weight is torch.int32, not a float type",)),
+    ("drafter fits", lambda t, p, d: [*_eagle(_specforge(t, p, {"hidden_size": "64"})),
+                                      "drafter.kind=eagle3"],
+     ("hidden_size is '64' in its config.json, not a number",)),
     ("drafter fits", lambda t, p, d: [*_eagle(d), "drafter.online.enabled=true",
                                       "drafter.online.loss=eagle3"],
      ("drafter.online.loss=eagle3 trains an eagle3 drafter, but the run's drafter is eagle1",)),
