@@ -10,9 +10,15 @@ Two checks, each blind to what the other sees:
   of rounding outliers among millions of bf16 tokens does not), and a limit on the tokens beyond
   a max catches a break confined to a few tokens: in fp32 and fp16 one such token fails, in bf16
   a small share of them is rounding (below).
-- The law statistic z (algo/token_stats.py): catches a rollout sampled from the wrong law, e.g. a
+- The law statistic (algo/token_stats.py): catches a rollout sampled from the wrong law, e.g. a
   rejection sampler that accepts drafts too often, which per-token diffs cannot see (the actor
-  recomputes exactly the log p of whatever token the engine emitted).
+  recomputes exactly the log p of whatever token the engine emitted). It judges the per-token
+  bias b = mean(surprise - entropy) in nats, with a confidence interval of law_z_threshold (k)
+  standard errors se = sqrt(sum Var) / N: the step fails when |b| - k * se > the bias tolerance
+  (equivalently |z| > k + tolerance / se). A fixed |z| limit alone would grow strict with the
+  step's token count (z = b / se ~ b * sqrt(N)) until the rounding bias between the engine's and
+  the actor's forwards failed it; so a small step is judged as by |z| > k, a large one by its
+  bias in nats.
 
 Tolerances follow the dtype the logprobs are computed in on both sides: the engine serves
 model.dtype, the actor computes in actor.compute_dtype, and the coarser of the two rules.
@@ -41,6 +47,16 @@ from fastdraft.errors import FastdraftError
 # cache moves most of a sequence's tokens, which the mean and the quantile see).
 DTYPE_TOLERANCE = {"float32": (1e-3, 1e-2, 0.1, 0.0), "float16": (0.02, 0.2, 2.0, 0.0),
                    "bfloat16": (0.05, 0.5, 4.0, 1e-3)}
+# The law check's tolerance on the per-token bias b = mean(-log p(x) - H(p)) (nats a token), by
+# the coarser dtype. The engine samples from its own forward's law, which rounding puts a little
+# off the actor's, so b is not 0 but a systematic first-order term in the logit difference; in
+# bf16 it is ~0.005 nats a token, which must pass: 0.02 leaves a 4x margin. fp16's 10-bit
+# mantissa rounds 4x finer (a bias ~0.001): 0.01; fp32's rounding (~1e-6 a logit) biases b by far
+# less than 1e-3. A wrong sampler that emits a share f of tokens from a sharper (or flatter)
+# drafter shifts b by f * (E_q[-log p] - H(p)), typically >= 0.05 nats a token, beyond every one
+# of these by 2.5x or more: at a real step's millions of tokens (k * se ~ 0.003) it fails as
+# surely as at 10^4 (k * se ~ 0.06 with ~1 nat^2 of variance a token: then |b| must pass 0.08).
+LAW_BIAS_TOLERANCE = {"float32": 1e-3, "float16": 0.01, "bfloat16": 0.02}
 COARSENESS = ("float32", "float16", "bfloat16")
 
 
@@ -53,8 +69,10 @@ class LosslessGateError(FastdraftError):
 class GateTolerance:
     """Resolved limits of the gate. mean / quantile_diff / max: of |actor - engine| per token;
     quantile: which quantile (0.99: p99); max_share: the share of tokens that may lie beyond
-    max (0: none); law_z: |z| beyond which the law fails (None: off); law_min_tokens: z is
-    judged only from this many tokens on."""
+    max (0: none); law_z: k, the standard errors of the law's per-token bias that its
+    confidence interval spans (None: no law check); law_bias: the tolerance on that bias, nats a
+    token: the law fails when |bias| - k * se > law_bias (0: when |z| > k); law_min_tokens: the
+    law is judged only from this many tokens on."""
 
     mean: float
     quantile: float
@@ -62,6 +80,7 @@ class GateTolerance:
     max: float
     max_share: float = 0.0
     law_z: float | None = 6.0
+    law_bias: float = 0.0
     law_min_tokens: int = 128
 
     @classmethod
@@ -80,6 +99,7 @@ class GateTolerance:
                    quantile_diff=_pick(s.quantile_tolerance, quantile_diff),
                    max=_pick(s.max_tolerance, worst), max_share=_pick(s.max_share, share),
                    law_z=s.law_z_threshold,
+                   law_bias=_pick(s.law_bias_tolerance, LAW_BIAS_TOLERANCE[coarser]),
                    law_min_tokens=s.law_min_tokens)
 
 
@@ -91,7 +111,8 @@ def check_gate(actor: TokenStats, engine_logprobs: torch.Tensor, mask: torch.Ten
                tolerance: GateTolerance) -> dict[str, float]:
     """actor: TokenStats [B, T] from the actor's forward; engine_logprobs [B, T] the engine's
     reported logprobs; mask [B, T] bool, the sampled tokens -> metrics (rollout/logprob_diff_
-    mean, _p99 (the configured quantile), _max, rollout/law_z when the actor gave entropies).
+    mean, _p99 (the configured quantile), _max; rollout/law_z, law_bias (nats a token) and
+    law_bias_ci (its interval's half-width, k standard errors) when the actor gave entropies).
     Raises LosslessGateError naming the worst token when a limit is passed.
 
     A sequence with a non-finite logprob (either side) is left out and counted
@@ -134,17 +155,26 @@ def check_gate(actor: TokenStats, engine_logprobs: torch.Tensor, mask: torch.Ten
                                                   metrics[name], limit, count))
     if actor.entropy is not None and tolerance.law_z is not None:
         law = law_statistic(actor, keep)
-        metrics.update({"rollout/law_z": law.z, "rollout/law_tokens": float(law.tokens),
+        half_width = tolerance.law_z * law.se
+        metrics.update({"rollout/law_z": law.z, "rollout/law_bias": law.bias,
+                        "rollout/law_bias_ci": half_width,
+                        "rollout/law_tokens": float(law.tokens),
                         "rollout/law_outside_filter": float(law.outside)})
-        if law.tokens >= tolerance.law_min_tokens and abs(law.z) > tolerance.law_z:
+        if (law.tokens >= tolerance.law_min_tokens
+                and abs(law.bias) - half_width > tolerance.law_bias):
             raise LosslessGateError(
                 f"lossless gate: the sampled tokens are not drawn from the policy's law: "
-                f"z = {law.z:.1f} (|z| > {tolerance.law_z:g}) over {law.tokens} tokens, mean "
+                f"z = {law.z:.1f} over {law.tokens} tokens, a bias of {law.bias:+.4f} "
+                f"+- {half_width:.4f} nats a token ({tolerance.law_z:g} standard errors), "
+                f"beyond the tolerance of {tolerance.law_bias:g} nats a token that the dtypes' "
+                f"rounding explains: mean "
                 f"surprise -log p = {law.surprise:.4f} vs the policy's entropy "
-                f"{law.entropy:.4f} nats a token ({'sharper' if law.z < 0 else 'flatter'} "
+                f"{law.entropy:.4f} nats a token ({'sharper' if law.bias < 0 else 'flatter'} "
                 f"than the policy), while the per-token logprobs agree. Check the speculative "
                 f"path's rejection sampling (engine/spec/accept.py) and the drafter's q passed "
-                f"to it (rollout.spec.method=none drafter.online.enabled=false isolates it)")
+                f"to it (rollout.spec.method=none drafter.online.enabled=false isolates it); "
+                f"raise algorithm.gate.law_bias_tolerance only if the dtypes' rounding explains "
+                f"the bias")
     return metrics
 
 

@@ -18,12 +18,21 @@ actor recomputes exactly that, so the diffs stay ~0 whatever law drew the tokens
 that accepts draft tokens too often emits a share f of tokens from the drafter's q instead of p,
 shifting the mean surprise per token by b = f * (E_q[-log p] - H(p)): negative for a drafter
 sharper than the policy (its drafts sit on p's modes: the usual case), positive for a flat one.
-E[z] = b * sqrt(N / v) for N tokens of mean variance v, so the gate (|z| > 6, a false alarm
-~2e-9 a step) sees a bias of b > 6 * sqrt(v / N): with v ~ 1 nat^2, 0.06 nats a token at 10^4
-tokens, 0.006 at 10^6. It tests one moment of the law, not all of it: a bias that leaves the
-mean surprise unchanged passes (the engine's chi-square tests, tests/engine/spec/, cover the
-full law on small vocabularies). With few tokens the CLT is rough (one rare token can weigh a
-lot), so the gate only judges z from `law_min_tokens` tokens on.
+
+What the gate judges is that per-token bias in nats, not z alone: b = mean_t (s_t - H_t) over the
+N tokens, with standard error se = sqrt(sum_t V_t) / N (so z = b / se). z grows with sqrt(N) at
+any fixed bias, so at millions of tokens a step even the tiny systematic bias that the engine's
+and the actor's different rounding of the logits leaves (the engine samples from its own, a
+little different, law) would exceed any fixed |z| limit; the gate instead fails a step only when
+the bias is confidently beyond a per-token tolerance that the dtypes' rounding explains:
+|b| - k * se > tolerance, k = law_z_threshold standard errors (equivalently |z| > k + tolerance /
+se). Under a bias within the tolerance a false alarm is below P(|N(0, 1)| > k) (~2e-9 a step at
+k = 6). With few tokens se is large, tolerance / se small, and the rule is |z| > k; with many it
+sees any bias beyond tolerance + k * se: with a mean variance v ~ 1 nat^2 a token, k * se is
+0.06 nats at 10^4 tokens, 0.006 at 10^6. It tests one moment of the law, not all of it: a bias
+that leaves the mean surprise unchanged passes (the engine's chi-square tests, tests/engine/spec/,
+cover the full law on small vocabularies). With few tokens the CLT is rough (one rare token can
+weigh a lot), so the gate only judges the law from `law_min_tokens` tokens on.
 """
 
 from __future__ import annotations
@@ -56,13 +65,17 @@ class TokenStats(NamedTuple):
 class LawStatistic(NamedTuple):
     """z: the standardised sum of (surprise - entropy); tokens: how many it sums;
     surprise / entropy: their means per token (nats); outside: tokens the actor's own filter
-    excludes (rounding at the nucleus' edge), left out of z."""
+    excludes (rounding at the nucleus' edge), left out of z; bias: the mean (surprise -
+    entropy) per token (nats), se: its standard error sqrt(sum Var) / tokens (z = bias / se;
+    both 0 without tokens)."""
 
     z: float
     tokens: int
     surprise: float
     entropy: float
     outside: int
+    bias: float = 0.0
+    se: float = 0.0
 
 
 @torch.no_grad()
@@ -118,8 +131,9 @@ def _law_of(log_p: torch.Tensor, target: torch.Tensor
 
 
 def law_statistic(stats: TokenStats, mask: torch.Tensor) -> LawStatistic:
-    """The law statistic z (module docstring) over the tokens of mask [B, T] with finite
-    statistics; needs stats.entropy (a logprob-only TokenStats has no law)."""
+    """The law statistic (module docstring: z, the per-token bias and its standard error) over
+    the tokens of mask [B, T] with finite statistics; needs stats.entropy (a logprob-only
+    TokenStats has no law)."""
     if stats.entropy is None or stats.variance is None or stats.sample_logprob is None:
         raise FastdraftError("the law statistic needs TokenStats with sample_logprob, entropy and "
                              "variance (token_stats computes them)")
@@ -134,4 +148,6 @@ def law_statistic(stats: TokenStats, mask: torch.Tensor) -> LawStatistic:
     return LawStatistic(z=z, tokens=tokens,
                         surprise=float(surprise.mean()) if tokens else 0.0,
                         entropy=float(entropy.mean()) if tokens else 0.0,
-                        outside=int((mask & ~inside).sum()))
+                        outside=int((mask & ~inside).sum()),
+                        bias=excess / tokens if tokens else 0.0,
+                        se=math.sqrt(total_var) / tokens if tokens else 0.0)

@@ -30,8 +30,8 @@ REMOVED_KEYS = {
                              "actor always keeps fp32 master weights)",
     "algorithm.logprob_tolerance": "the lossless gate's limits are the algorithm.gate section "
                                    "(mean_tolerance, quantile_tolerance, max_tolerance, max_share, "
-                                   "law_z_threshold; unset: from model.dtype and "
-                                   "actor.compute_dtype)",
+                                   "law_z_threshold, law_bias_tolerance; unset: from "
+                                   "model.dtype and actor.compute_dtype)",
 }
 
 

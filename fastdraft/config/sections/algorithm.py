@@ -18,10 +18,15 @@ class GateSection:
     quantile_tolerance (their `quantile`, e.g. the 0.99 one), max_tolerance (a gross token) and
     max_share (the share of tokens that may exceed it: 0 in fp32 and fp16, where one gross token
     fails; 1e-3 in bf16, whose rounding reaches nats at rare tokens); None: from the coarser of
-    model.dtype and actor.compute_dtype (algo/gate.py DTYPE_TOLERANCE). law_z_threshold: |z| of
-    the law statistic beyond which the rollout counts as not sampled from the policy (6: a
-    false alarm ~2e-9 a step; None: no law check), judged from law_min_tokens sampled
-    tokens on."""
+    model.dtype and actor.compute_dtype (algo/gate.py DTYPE_TOLERANCE). The law check (the
+    sampled tokens against the policy's law) bounds the per-token bias b = mean(-log p(x) - H)
+    in nats: the rollout counts as not sampled from the policy when |b| - law_z_threshold * se
+    > law_bias_tolerance, se = sqrt(sum Var) / tokens (equivalently |z| > law_z_threshold +
+    law_bias_tolerance / se: at few tokens |z| > 6, at millions a bias confidently beyond the
+    tolerance). law_z_threshold: the standard errors the bias' interval spans (6: a false alarm
+    below ~2e-9 a step; None: no law check); law_bias_tolerance: nats a token (None: from the
+    coarser dtype, algo/gate.py LAW_BIAS_TOLERANCE: fp32 1e-3, fp16 0.01, bf16 0.02); judged
+    from law_min_tokens sampled tokens on."""
 
     SECTION: ClassVar[str] = "algorithm.gate"
 
@@ -32,6 +37,7 @@ class GateSection:
     max_tolerance: Annotated[float | None, Range(gt=0, note="from the dtypes")] = None
     max_share: Annotated[float | None, Range(ge=0, lt=1, note="from the dtypes")] = None
     law_z_threshold: Annotated[float | None, Range(gt=0, note="no law check")] = 6.0
+    law_bias_tolerance: Annotated[float | None, Range(gt=0, note="from the dtypes")] = None
     law_min_tokens: Annotated[int, Range(ge=1)] = 128
 
     def __post_init__(self) -> None:
