@@ -19,7 +19,10 @@ Per rank (ActorPlan), for FSDP2 over num_ranks ranks (actor/sharding.py):
   reference's forward (its gathered root and
   layers, a chunk's logits), whichever is larger: the reference runs before the backward;
 - the weight push (and a checkpoint's gather): every rank all-gathers one full fp32 parameter
-  at a time (the largest: the embedding); gradients are freed by then.
+  at a time (the largest: the embedding); gradients are freed by then. A hybrid worker's sync
+  (ActorRank.gathered_for) gathers one FSDP unit at a time in the compute dtype instead when
+  the engine serves in it or it is fp32: the root unit and two layers (the one landing in the
+  engine, the next one's gather running beside it).
 A micro-batch holds micro_batch_tokens tokens (real ones when packed, else rows x the longest),
 or one whole row when a row is longer (algo/sequences.py): tokens = max(micro_batch_tokens,
 the longest sequence).
@@ -36,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastdraft.actor.phase_peaks import PhasePeaks
+from fastdraft.actor.runtime_memory import CUDA_CONTEXT_BYTES, RuntimeMemory
 from fastdraft.algo.token_stats import CHUNK_BYTES
 from fastdraft.engine.memory_plan import EnginePlan, largest_fitting
 from fastdraft.errors import FastdraftError
@@ -93,6 +98,7 @@ class ActorShape:
         cast = c if c != _FP32 else 0   # a compute-dtype copy beside an fp32 one
         reference_forward = (c * (self.root_params + 2 * self.layer_params)
                              + chunk_row * 2 * _FP32) if self.kl else 0
+        unit_push = c * (self.root_params + 2 * self.layer_params) if self.sharded else 0
         return ActorPlan(
             shape=self, masters=_FP32 * shard, optimizer=2 * _FP32 * shard,
             reference=(c if self.sharded else _FP32) * shard if self.kl else 0,
@@ -102,7 +108,8 @@ class ActorShape:
                                   + _ANSWER_SAVED),                      # + the head's
             logits=chunk_row * _FP32 + max(chunk_row * _FP32, GATE_STATS_BYTES),
             logits_backward=max(chunk_row * (_FP32 + cast), reference_forward),
-            push=_FP32 * self.largest_param, host=3 * _FP32 * self.num_params)
+            push=_FP32 * self.largest_param, unit_push=unit_push,
+            host=3 * _FP32 * self.num_params)
 
 
     def _saved_per_token(self, c: int) -> int:
@@ -143,6 +150,7 @@ class ActorPlan:
     logits: int
     logits_backward: int
     push: int
+    unit_push: int
     host: int
 
     @classmethod
@@ -168,11 +176,24 @@ class ActorPlan:
         return self.masters + self.optimizer + self.reference
 
     @property
+    def update(self) -> int:
+        """An update's transient at its peak: the forward's logits, then the backward's."""
+        return (self.grads + self.gathered + self.activations
+                + max(self.logits, self.logits_backward))
+
+    @property
     def transient(self) -> int:
         """The larger of an update's peak and a weight push's."""
-        update = (self.grads + self.gathered + self.activations
-                  + max(self.logits, self.logits_backward))   # the forward's, then the backward's
-        return max(update, self.push)
+        return max(self.update, self.push)
+
+    def sync_push(self, dtype: torch.dtype) -> int:
+        """The gather of a hybrid worker's weight sync into an engine serving in `dtype`
+        (ActorRank.gathered_for): a unit at a time in the compute dtype when that is `dtype`
+        or fp32, else one fp32 parameter at a time."""
+        s = self.shape
+        if s.sharded and getattr(torch, s.compute_dtype) in (dtype, torch.float32):
+            return self.unit_push
+        return self.push
 
     @property
     def per_rank_bytes(self) -> int:
@@ -204,8 +225,11 @@ class ActorPlan:
         update = [f"grads {gb(self.grads)}", f"gathered {gb(self.gathered)}",
                   f"activations {gb(self.activations)}",
                   f"logits {gb(self.logits)} + {gb(self.logits_backward)}"]
+        push = f"weight push {gb(self.push)}"
+        if self.unit_push:
+            push += f", a unit at a time {gb(self.unit_push)}"
         return [head, "  state: " + " | ".join(state),
-                "  update: " + " | ".join(update) + f" (weight push {gb(self.push)})"]
+                "  update: " + " | ".join(update) + f" ({push})"]
 
     def as_dict(self) -> dict[str, Any]:
         s = self.shape
@@ -213,17 +237,22 @@ class ActorPlan:
                 "compute_dtype": s.compute_dtype, "tokens": s.tokens,
                 **{name: getattr(self, name) for name in (
                     "masters", "optimizer", "reference", "grads", "gathered", "activations",
-                    "logits", "logits_backward", "push", "host", "state", "transient",
-                    "per_rank_bytes")}}
+                    "logits", "logits_backward", "push", "unit_push", "host", "state",
+                    "update", "transient", "per_rank_bytes")}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunPlan:
     """The engine and the actor on one node: device 0 (model.device) holds the engine and the
     actor's rank 0, devices 1.. a rank each; hybrid (cluster.placement=hybrid): every device
-    holds an engine replica and an actor rank, and on a GPU the engine gives back its KV cache
-    for the update (workers/hybrid.py), so the cache and the update's transient never add up.
-    On the CPU every rank and the host share RAM."""
+    holds an engine replica and an actor rank. A device's need is its largest phase's peak
+    (actor/phase_peaks.py: rollout, update, sync), each with what every phase holds and the
+    device's CUDA contexts and NCCL buffers (actor/runtime_memory.py). On a hybrid GPU the
+    engine gives back its KV cache and its graphs' pool for the update and keeps them given
+    back through the sync (workers/hybrid.py: the weights land before the cache returns, at
+    the next generate), so neither adds to the update's transient nor to the sync's gather.
+    Elsewhere the engine keeps them, and its steps, the update and the push take turns in one
+    allocator's cache. On the CPU every rank and the host share RAM."""
 
     engine: EnginePlan
     actor: ActorPlan
@@ -237,30 +266,67 @@ class RunPlan:
         return self.engine.shape.device == "cpu"
 
     @property
-    def device0_bytes(self) -> int:
-        """The engine's transient steps and the actor's update never overlap (rollout, then
-        update) and share one allocator's cache, so the larger of the two counts. Hybrid: any
-        device's (on the CPU: the RAM's, every worker in it)."""
-        engine, actor = self.engine, self.actor
+    def runtime(self) -> RuntimeMemory:
+        """Device 0's CUDA contexts and NCCL communicators (hybrid: every device's)."""
+        return RuntimeMemory.on_device(cuda=not self.on_cpu, hybrid=self.hybrid, device0=True,
+                                       ranks=self.actor.shape.num_ranks,
+                                       tensor_parallel=self.engine.shape.tensor_parallel)
+
+    @property
+    def drafter_share(self) -> int:
+        """Hybrid, with a drafter trainer member: a published drafter's broadcast to every
+        worker (HybridWorker.share_drafter, after the sync): its fp32 trainable tensors on the
+        device and the flat buffer they cross in."""
+        if not (self.hybrid and self.trainer):
+            return 0
+        engine = self.engine
+        return 2 * _FP32 * (engine.drafter_weights // engine.shape.dtype.itemsize)
+
+    @property
+    def phases(self) -> PhasePeaks:
+        """Device 0's peak in each phase (hybrid: any device's; on the CPU: the RAM's, every
+        process in it)."""
+        engine, actor, ranks = self.engine, self.actor, self.actor.shape.num_ranks
         if self.hybrid and self.on_cpu:   # every worker in one RAM, the KV cache kept; the
             # checkpoint written from each worker's shard in place (checkpoint/sharded.py)
-            ranks = actor.shape.num_ranks
-            return ranks * (engine.resident + actor.state
-                            + max(engine.step_scratch, actor.transient)) + self.trainer
-        if self.hybrid:   # every device the same; the KV cache released while the actor updates
-            # (the trainer member trains beside either)
-            return (engine.resident - engine.kv_cache + actor.state + self.trainer
-                    + max(engine.kv_cache + engine.step_scratch, actor.transient))
+            each = engine.resident + actor.state
+            push = actor.sync_push(engine.shape.dtype)
+            return PhasePeaks(rollout=ranks * (each + engine.step_scratch) + self.trainer,
+                              update=ranks * (each + actor.update) + self.trainer,
+                              sync=ranks * (each + max(push, self.drafter_share)) + self.trainer)
+        if self.hybrid:   # every device the same; the trainer member beside every phase
+            given_back = engine.kv_cache + engine.graph_pool
+            kept = (engine.resident - given_back + actor.state + self.trainer
+                    + self.runtime.nbytes)
+            push = actor.sync_push(engine.shape.dtype)
+            return PhasePeaks(rollout=kept + given_back + engine.step_scratch,
+                              update=kept + actor.update,
+                              sync=kept + max(push, self.drafter_share))
         if self.on_cpu:   # every rank's process and rank 0's checkpoint snapshot in one RAM
-            ranks = actor.shape.num_ranks
-            return (engine.resident + ranks * actor.state + actor.host
-                    + max(engine.step_scratch, ranks * actor.transient))
-        return engine.resident + actor.state + max(engine.step_scratch, actor.transient)
+            kept = engine.resident + ranks * actor.state + actor.host
+            return PhasePeaks(rollout=kept + engine.step_scratch,
+                              update=kept + ranks * actor.update, sync=kept + ranks * actor.push)
+        kept = engine.resident + actor.state + self.runtime.nbytes
+        return PhasePeaks(rollout=kept + engine.step_scratch, update=kept + actor.update,
+                          sync=kept + actor.push)
+
+    @property
+    def device0_bytes(self) -> int:
+        """Device 0's need (hybrid: any device's; on the CPU: the RAM's): its largest phase."""
+        return self.phases.peak
+
+    @property
+    def other_rank_bytes(self) -> int:
+        """Outside hybrid placement on GPUs: a device of the actor's ranks 1.. (its rank, its
+        process's CUDA context and the driver's, the ranks' communicator)."""
+        runtime = RuntimeMemory.on_device(cuda=not self.on_cpu, hybrid=False, device0=False,
+                                          ranks=self.actor.shape.num_ranks)
+        return self.actor.per_rank_bytes + runtime.nbytes
 
     def fits(self, capacity_bytes: int, device0: bool = True) -> bool:
         """Device 0 (device0=True) and every other rank's device within capacity_bytes."""
         others = (self.on_cpu or self.hybrid or self.actor.shape.num_ranks == 1
-                  or self.actor.per_rank_bytes <= capacity_bytes)
+                  or self.other_rank_bytes <= capacity_bytes)
         return others and (not device0 or self.device0_bytes <= capacity_bytes)
 
     def replan(self, *, slots: int | None = None, seq_len: int | None = None,
@@ -281,35 +347,47 @@ class RunPlan:
     @property
     def engine_reserve(self) -> int:
         """What the engine must leave free on its device for the actor (RolloutEngine's
-        memory_reserve): device0_bytes less the engine's own plan."""
-        return self.device0_bytes - self.engine.total
+        memory_reserve): device0_bytes less the engine's own plan and its own process's CUDA
+        context, which the free bytes the engine's check measures are already without."""
+        own_context = CUDA_CONTEXT_BYTES if self.runtime.contexts else 0
+        return self.device0_bytes - self.engine.total - own_context
 
     def lines(self, device_bytes: int) -> list[str]:
         ranks = self.actor.shape.num_ranks
+        phases = f"  per phase: {self.phases.describe()} (the {self.phases.largest} counts)"
+        if not self.on_cpu:
+            phases += f"; in each: {self.runtime.describe()}"
         if self.hybrid:
             if self.on_cpu:
                 members = f" + drafter trainer {gb(self.trainer)}" if self.trainer else ""
                 return [f"run memory plan ({ranks} hybrid workers, one RAM, {gb(device_bytes)} "
                         f"usable): {ranks} x (engine replica + actor rank){members} "
-                        f"{gb(self.device0_bytes)}"]
+                        f"{gb(self.device0_bytes)}", phases]
             member = f" + drafter trainer member {gb(self.trainer)}" if self.trainer else ""
+            pool = (f" and graph pool ~{gb(self.engine.graph_pool)}"
+                    if self.engine.graph_pool else "")
             return [f"run memory plan ({ranks} hybrid workers, {ranks} devices of "
                     f"{gb(device_bytes)} usable): every device rolls out: engine replica + "
                     f"actor rank{member} {gb(self.device0_bytes)} each (KV cache "
-                    f"{gb(self.engine.kv_cache)} released for the update)"]
+                    f"{gb(self.engine.kv_cache)}{pool} given back for the update and the "
+                    "sync)", phases]
         if self.on_cpu:
             return [f"run memory plan (one RAM, {gb(device_bytes)} usable): engine + {ranks} "
-                    f"actor rank(s) + rank 0's checkpoint snapshot {gb(self.device0_bytes)}"]
+                    f"actor rank(s) + rank 0's checkpoint snapshot {gb(self.device0_bytes)}",
+                    phases]
         head = (f"run memory plan ({ranks} devices of {gb(device_bytes)} usable): device 0 "
                 f"(engine + actor rank 0) {gb(self.device0_bytes)}")
         if ranks > 1:
-            head += f", devices 1..{ranks - 1} {gb(self.actor.per_rank_bytes)} each"
-        return [head]
+            head += f", devices 1..{ranks - 1} {gb(self.other_rank_bytes)} each"
+        return [head, phases]
 
     def as_dict(self) -> dict[str, Any]:
         return {"engine": self.engine.as_dict(), "actor": self.actor.as_dict(),
                 "hybrid": self.hybrid, "trainer": self.trainer,
+                "phases": self.phases.as_dict(), "runtime": self.runtime.as_dict(),
+                "drafter_share": self.drafter_share,
                 "device0_bytes": self.device0_bytes,
+                "other_rank_bytes": self.other_rank_bytes,
                 "engine_reserve": self.engine_reserve}
 
 
@@ -327,9 +405,10 @@ def check_run_plan(plan: RunPlan, device_capacity_bytes: int) -> None:
         where = ("the RAM" if plan.on_cpu else f"each device (an engine replica and an actor "
                  f"rank{member})" if plan.hybrid else "device 0 (the engine and the actor's "
                  "rank 0)")
-        over.append(f"{gb(plan.device0_bytes)} on {where}")
+        over.append(f"{gb(plan.device0_bytes)} on {where} at its {plan.phases.largest} "
+                    f"phase's peak ({plan.phases.describe()})")
     if not plan.fits(cap, device0=False):
-        over.append(f"{gb(actor_plan.per_rank_bytes)} on each other rank's device")
+        over.append(f"{gb(plan.other_rank_bytes)} on each other rank's device")
     raise FastdraftError(f"the run's memory plan needs {' and '.join(over)}, more than the "
                          f"{gb(cap)} usable on a device (engine {gb(engine_plan.total)}, of it "
                          f"KV cache {gb(engine_plan.kv_cache)}; actor "

@@ -19,8 +19,13 @@ from fastdraft.models import CausalLM, ModelConfig
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RngState:
     """Global generator states: python `random`, numpy's legacy global generator, torch CPU and
-    every CUDA device (empty on a CPU-only machine). Sampling, shuffling and dropout draw from
-    these, so restoring them is what makes a resumed run continue like an unbroken one."""
+    every CUDA device (empty where this process has not initialised CUDA: a CPU-only machine,
+    or a driver whose devices are its workers'). Sampling, shuffling and dropout draw from
+    these, so restoring them is what makes a resumed run continue like an unbroken one.
+
+    A process that never initialised CUDA drew nothing from its CUDA generators (they hold
+    their seeds), so it has no CUDA state to keep; reading one would create a CUDA context on
+    every visible device (~0.5 GB each), memory its workers' plans count on."""
 
     python: tuple
     numpy: tuple
@@ -30,7 +35,7 @@ class RngState:
     @classmethod
     def capture(cls) -> RngState:
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
         return cls(python=random.getstate(),
                    numpy=(kind, tuple(keys.tolist()), pos, has_gauss, gauss),
                    torch_cpu=torch.get_rng_state(), torch_cuda=cuda)

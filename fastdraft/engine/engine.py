@@ -272,6 +272,7 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         show = use_tqdm if use_tqdm is not None else len(requests) >= 64
         results: dict[int, Completion] = {}   # by id(request): indices may repeat (migration)
         self.hidden_sink = on_hidden
+        captured = self.graphs.stats.num_graphs, self.graphs.stats.capture_s
         try:
             with tqdm(total=len(requests), desc="rollout", unit="req", disable=not show) as bar:
                 while True:
@@ -290,6 +291,8 @@ class RolloutEngine(PlainSteps, SpeculativeStep, BetweenSteps):
         finally:
             self.last_migrated = handoff.finish(scheduler, self.proposer)
             self.hidden_sink = None
+            trace.graph_captures = self.graphs.stats.num_graphs - captured[0]
+            trace.graph_capture_s = self.graphs.stats.capture_s - captured[1]
         trace.finish()
         return [results[id(r)] for r in requests if id(r) in results]
 

@@ -10,10 +10,23 @@ captures can share a single pool: memory is that of the largest stage, not the s
 
 Stages must be idempotent for fixed inputs (warm-up runs before a capture execute them): they
 write the same cells with the same values, and draw random numbers from counters, not state.
+
+A capture owns its process's device while it runs: `torch.cuda.graph` empties the caching
+allocator first, so any other thread's next allocation is a `cudaMalloc` during the capture, and
+work another thread queues meanwhile may interleave with the captured stream's. Captures run in
+thread-local mode (another thread's legal calls do not invalidate them) and under
+CAPTURE_GUARD, which every other device worker in the process (the online drafter trainer
+member: trainer/service.py) holds around its own device work, so none overlaps a capture.
+
+Storages the graphs read (the KV cache, the weights) must not move while the graphs live: a
+sleep that frees them releases the graphs and their pool with them (`release`), and the next
+run of each key captures again into a fresh pool (reusing a pool whose graphs died trips the
+caching allocator when a block allocated during a capture outlived it).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -22,12 +35,17 @@ import torch
 
 from fastdraft.errors import FastdraftError
 
+#: Held while a graph is warmed up and captured; the process's other device workers hold it
+#: around their device work (module docstring). One per process: captures and members of one
+#: process share one device.
+CAPTURE_GUARD = threading.Lock()
+
 
 @dataclass(slots=True)
 class GraphStats:
-    num_graphs: int = 0
-    capture_s: float = 0.0
-    pool_bytes: int = 0          # memory the pool grew by during captures
+    num_graphs: int = 0          # captures since the pool was made (or reset)
+    capture_s: float = 0.0       # their seconds: warm-ups, capture and the synchronize
+    pool_bytes: int = 0          # memory the pools grew by during captures
 
     def as_dict(self) -> dict[str, float]:
         return {"num_graphs": self.num_graphs, "capture_s": self.capture_s,
@@ -61,15 +79,28 @@ class GraphPool:
             graph = self._graphs[key] = self._capture(stage)
         graph.replay()
 
-    def clear(self) -> None:
-        """Drops every captured graph (their buffers moved); the next run of a key captures."""
+    def release(self) -> None:
+        """Drops every graph and the pool they share (the storages they read are about to be
+        freed: a sleep); its memory goes back with the next `empty_cache`, and the next run of
+        a key captures into a fresh pool. The stats go on counting."""
         self._graphs.clear()
+        if self.device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
 
     def _capture(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()
+        with CAPTURE_GUARD:
+            graph = self._record(stage)
+        self.stats.num_graphs += 1
+        self.stats.capture_s += time.perf_counter() - start
+        return graph
+
+    def _record(self, stage: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """The stage warmed up and captured (the caller holds CAPTURE_GUARD); what the pool
+        grew by is counted."""
         before = torch.cuda.memory_reserved(self.device)
         # Warm-up on a side stream (library handles, autotuning, lazy allocations), then capture.
         side = self._side
@@ -80,17 +111,13 @@ class GraphPool:
                 stage()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             stage()
         torch.cuda.synchronize(self.device)
-        self.stats.num_graphs += 1
-        self.stats.capture_s += time.perf_counter() - start
         self.stats.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         return graph
 
     def reset(self) -> None:
-        """Drops every graph and starts a new pool (the old one is freed with its graphs)."""
-        self._graphs.clear()
-        if self.device.type == "cuda":
-            self.pool = torch.cuda.graph_pool_handle()
+        """`release`, and the stats start again (a bench's next variant)."""
+        self.release()
         self.stats = GraphStats()

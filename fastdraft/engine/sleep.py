@@ -7,9 +7,12 @@ drafter's tied head) stays the same Python object and sees the memory again once
 resizes the storage back. Contents come back two ways: weights from a host copy taken at
 release (`keep=True`), caches as zeros (`keep=False`: an empty cache reads as it did when it
 was allocated; never stale bits, which could hold NaNs that a masked read multiplies by 0).
+`restore(kept_only=True)` brings back the weights alone: an engine loading new weights while
+asleep leaves its cache freed until a generate needs it (engine/updates.py).
 
 A restored storage may live at another address, so a captured CUDA graph that read the old one
-is void: the engine drops its graphs when it wakes (they are captured again on first use)."""
+is void: the engine releases its graphs when it sleeps (they are captured again on first
+use)."""
 
 from __future__ import annotations
 
@@ -56,12 +59,17 @@ class Released:
             self._freed.append(_Freed(storage, storage.nbytes(), host))
             storage.resize_(0)
 
-    def restore(self) -> None:
-        """Every freed storage at its size again, with its contents or zeros."""
+    def restore(self, kept_only: bool = False) -> None:
+        """Every freed storage at its size again, with its contents or zeros; kept_only: only
+        those freed with their contents (the weights), the others (caches) stay freed."""
+        still = []
         for freed in self._freed:
+            if kept_only and freed.host is None:
+                still.append(freed)
+                continue
             freed.storage.resize_(freed.nbytes)
             if freed.host is not None:
                 freed.storage.copy_(freed.host)
             else:
                 freed.storage.fill_(0)
-        self._freed = []
+        self._freed = still

@@ -19,6 +19,8 @@ class RolloutTrace:
     prefill_tokens: int = 0     # prompt tokens of every prefilled row
     prefill_computed: int = 0   # of them computed: a group's equal prompts once (prefix_share)
     preemptions: int = 0        # requests whose KV blocks were taken back (paged_kv.py)
+    graph_captures: int = 0     # CUDA graphs captured during the call (engine/graphs.py)
+    graph_capture_s: float = 0.0   # their seconds
 
     def record(self, num_active: int) -> None:
         self.times.append(time.perf_counter())

@@ -22,11 +22,12 @@ class BetweenSteps:
 
     def sleep(self, weights: bool | None = None) -> int:
         """Gives back the device memory of the policy's KV cache and, with weights, of its
-        weights (copied to the host first) until a call needs them: generate, load_weights
-        and load_drafter_weights wake the engine by themselves (`wake`). weights=None: on a
-        CUDA device only (on the CPU they are host memory already). The drafter stays.
-        Returns the bytes given back."""
+        weights (copied to the host first) until a call needs them: generate wakes the
+        engine by itself (`wake`), load_weights and load_drafter_weights its weights only.
+        weights=None: on a CUDA device only (on the CPU they are host memory already). The
+        drafter stays. Returns the bytes given back."""
         device = self.runner.device
+        self.graphs.release()   # they read the storages freed here
         self._released.free([self.runner.kv_cache], keep=False)
         if weights if weights is not None else device.type == "cuda":
             self._released.free(self.model.parameters(), keep=True)
@@ -38,18 +39,23 @@ class BetweenSteps:
     def asleep(self) -> bool:
         return bool(self._released)
 
-    def wake(self) -> None:
+    def wake(self, cache: bool = True) -> None:
         """The memory `sleep` gave back, allocated again: the weights as they were, the cache
-        zeroed; graphs captured before are void (the storages moved) and are captured again."""
+        zeroed (cache=False: the weights only; the cache stays given back until a call that
+        reads it wakes it: generate). The graphs went with the sleep (their storages moved):
+        each is captured again at its next run."""
         if self._released:
-            self._released.restore()
-            self.graphs.clear()
+            self._released.restore(kept_only=not cache)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                      version: int | None = None) -> int:
         """Updates the policy in place (HF names, full tensors: a tensor-parallel rank takes
-        its slices); returns the new policy version."""
-        self.wake()
+        its slices); returns the new policy version. An engine asleep gets its weights back
+        first and its KV cache only at the next generate: the tensors, gathered as they are
+        read (workers/hybrid.py), land while the cache's memory is still free for the gather,
+        so a sync's peak is the gather's alone, never the cache's beside it
+        (actor/memory_plan.py, the sync phase)."""
+        self.wake(cache=False)
         load_named_tensors(self.model, self.model.local_tensors(named_tensors))
         self.proposer.refresh()
         self.policy_version = self.policy_version + 1 if version is None else version
@@ -62,7 +68,7 @@ class BetweenSteps:
         checksum (utils/digest.tensor_digest of the tensors, as published): checked before
         anything is loaded, so a corrupted drafter never reaches the engine. held_by: the
         Rollout Protocol's (a pool of hybrid workers); an engine here has nothing to do with it."""
-        self.wake()   # the drafter may read the policy's embedding / head
+        self.wake(cache=False)   # the drafter may read the policy's embedding / head
         drafter = self.model_drafter
         if drafter is None:
             raise FastdraftError(f"spec method {self.spec.method!r} has no drafter to update")

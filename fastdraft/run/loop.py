@@ -93,6 +93,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
                **timer.metrics(), **run.cluster_metrics(step, timer.laps),
                "timing/last_checkpoint_s": run.last_checkpoint_s,
                "policy/version": float(run.engine.policy_version),
+               **run.memory_plan.phases.as_metrics(),   # the plan's per-phase peaks, device 0
                **({"process/rss_mb": rss} if (rss := rss_mb()) is not None else {})}
     # Logged before the checkpoint: a checkpointed step always has its metrics line.
     run.logger.log(step, metrics)

@@ -187,7 +187,10 @@ class Run:
                "rollout/prefill_tokens": float(trace.prefill_tokens),
                "rollout/prefill_computed_tokens": float(trace.prefill_computed),
                # requests whose KV blocks ran out and were recomputed (engine/paged_kv.py)
-               "rollout/preemptions": float(trace.preemptions)}
+               "rollout/preemptions": float(trace.preemptions),
+               # CUDA graphs captured this step and their seconds (all workers; 0 off CUDA)
+               "rollout/graph_captures": float(trace.graph_captures),
+               "rollout/graph_capture_s": trace.graph_capture_s}
         if self.engine.spec.enabled:   # not after a health fallback
             out.update(stats.as_metrics())
             out["rollout/sd_fraction"] = trace.sd_fraction

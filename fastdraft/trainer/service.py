@@ -7,7 +7,10 @@ worker's bundle) or a member inside a hybrid worker. It calls these methods by n
 else, so every placement trains the same way.
 
 Thread-safe: the Ray actor trains on a thread of its own while its calls arrive on another;
-one lock orders a micro-step against the step boundary, the publish and the state."""
+one lock orders a micro-step against the step boundary, the publish and the state. Its device
+work (micro-steps, the policy head's copy, the publish's and the state's reads) holds the
+process's CAPTURE_GUARD (engine/graphs.py): a member inside a hybrid worker never works on the
+device while the worker's engine captures a graph."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 
 from fastdraft.databuffer import DataBuffer, Sample
 from fastdraft.drafter.base import Drafter
+from fastdraft.engine.graphs import CAPTURE_GUARD
 from fastdraft.trainer.data_parallel import sync_state
 from fastdraft.trainer.spot import (
     GradReduce,
@@ -110,7 +114,8 @@ class TrainerService:
 
     def sync_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         """The policy head the next rollout samples from (policy_head_tensors)."""
-        self.trainer.sync_policy(tensors.items())
+        with CAPTURE_GUARD:
+            self.trainer.sync_policy(tensors.items())
 
     def micro_step(self) -> bool:
         """One micro-step of training; False when there is nothing to do (an empty buffer,
@@ -118,7 +123,7 @@ class TrainerService:
         return self._step(self.cap)
 
     def _step(self, cap: int | None) -> bool:
-        with self._lock:
+        with CAPTURE_GUARD, self._lock:
             if self.capped(cap):
                 return False
             return self.trainer.step()
@@ -131,7 +136,7 @@ class TrainerService:
     # data-parallel members (workers/trainer_group.py): a round's collectives
     def round_start(self, pg: Any, rank: int) -> int:
         """The freshest member's state, in every member of the round (its rank returned)."""
-        with self._lock:
+        with CAPTURE_GUARD, self._lock:
             done = self.stats.steps - self.stats.steps_at_advance
             root = sync_state(self.trainer, pg, rank)
             self.stats.steps_at_advance = self.stats.steps - done   # this step's own count
@@ -139,7 +144,7 @@ class TrainerService:
 
     def round_step(self, reduce: GradReduce) -> bool:
         """One data-parallel micro-step (every member of the round calls it together)."""
-        with self._lock:
+        with CAPTURE_GUARD, self._lock:
             return self.trainer.step(reduce)
 
     def paused(self, asked_at: float) -> SpotStats:
@@ -154,13 +159,14 @@ class TrainerService:
         micro-steps (while the buffer has data)."""
         while self._step(min_steps):   # the step's cap does not limit the top-up
             pass
-        published = self.trainer.publish()
+        with CAPTURE_GUARD:
+            published = self.trainer.publish()
         buffer = self.buffer.stats()
         return PublishReply(published, self.stats, buffer.num_bytes, buffer.cut_samples,
                             rss_mb())
 
     def state(self) -> dict:
-        with self._lock:
+        with CAPTURE_GUARD, self._lock:
             return self.trainer.state()
 
     def last_published(self) -> list[torch.Tensor]:

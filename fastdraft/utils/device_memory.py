@@ -6,8 +6,10 @@ processes are already out of it). CPU: the machine's available RAM (psutil, else
 /proc/meminfo's MemAvailable). Figures are decimal (1 GB = 1e9 bytes), as GPU memory is sold.
 
 The margin, max(1 GiB, 5% of the device): the caching allocator rounds blocks up (2 MiB pages,
-20 MiB segments) and fragments under varying shapes; NCCL's communicators, cuBLAS / cuDNN
-workspaces and a drafter trainer's own CUDA context take memory outside any plan. `reserved`
+20 MiB segments) and fragments under varying shapes; cuBLAS / cuDNN workspaces, NCCL's buffers
+beyond the run plan's budget of them and a drafter trainer process's own CUDA context (outside
+hybrid placement) take memory outside any plan (the run plan counts the CUDA contexts and NCCL
+communicators it knows of: actor/runtime_memory.py). `reserved`
 is what a caller keeps for others on the same device: a run builds its engine first and its
 actor's rank 0 after it, on the same GPU, so it reserves the actor's plan for rank 0 there.
 """

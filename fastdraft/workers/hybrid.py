@@ -10,7 +10,9 @@ from the FSDP2 shards (an all-gather among the workers per FSDP unit) straight i
 engine, cast to the serving dtype as they land (`engine.load_weights` copies in place; a
 tensor-parallel rank copies its slices): no host
 copy, no object store, no driver on the path. Between rollout and update the engine gives back
-its KV cache only (on a GPU: the update needs the memory; the weights stay). Checkpoints are
+its KV cache and its CUDA graphs' pool (on a GPU: the update needs the memory; the weights
+stay), and they stay given back through the sync: the weights land while the cache's memory
+is free for the gather, and the next generate takes the cache back. Checkpoints are
 sharded: every worker writes its shard of the masters and AdamW state, worker 0 the rest and
 the publish (checkpoint/sharded.py), into the run directory, which every node sees at the same
 path."""
@@ -229,8 +231,9 @@ class HybridWorker(RolloutWorker):
         return [(name, params[name].detach().cpu()) for name in HEAD if name in params]
 
     def sleep(self) -> int:
-        """On a GPU: the KV cache back for the update on this device (the weights stay: the
-        sync overwrites them in place); the bytes given back. On the CPU nothing: the cache
+        """On a GPU: the KV cache (and the graphs' pool) back for the update and the sync on
+        this device (the weights stay: the sync overwrites them in place; the next generate
+        takes the cache back); the bytes given back. On the CPU nothing: the cache
         lives in the one RAM the update uses too, and allocating and zeroing it again costs
         more than it frees (0.18 s a step on the tiny recipe; on a GPU a memset of the cache)."""
         if not self.release_kv:

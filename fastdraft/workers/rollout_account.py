@@ -31,6 +31,8 @@ def account(done: list[tuple[int, WorkerRollout]], training: dict[int, float], s
             trace.prefill_tokens += part.trace.prefill_tokens
             trace.prefill_computed += part.trace.prefill_computed
             trace.preemptions += part.trace.preemptions
+            trace.graph_captures += part.trace.graph_captures
+            trace.graph_capture_s += part.trace.graph_capture_s
             base = part.start - part.trace.times[0] if part.trace.times else part.start
             events += [(base + t, k, a, arm, tok, dr) for t, a, arm, tok, dr in zip(
                 part.trace.times, part.trace.active, part.trace.arms, part.trace.tokens,

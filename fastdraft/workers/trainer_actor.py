@@ -25,6 +25,7 @@ import dataclasses
 import os
 import threading
 import time
+import traceback
 from typing import Any, Protocol
 
 import torch
@@ -64,31 +65,52 @@ class TrainerActor:
         self._idle.set()
         self._gate = threading.Lock()    # a micro-step starts only while `go` is still set
         self.stopped = threading.Event()   # the member inside a hybrid worker is done
+        self.crashed: str | None = None   # the training thread's traceback, if it raised
         # A daemon: it ends with the actor's process (ray.kill), between micro-steps or not.
-        threading.Thread(target=self._train, name="drafter-trainer", daemon=True).start()
+        threading.Thread(target=self._run, name="drafter-trainer", daemon=True).start()
+
+    def _run(self) -> None:
+        """The training thread: `_train` until stopped. If it raises, the traceback is kept
+        and the thread is idle for good: a pause answers at once, and every call that answers
+        (`pid`, `pause`, `publish`, `state`) raises it, which the loop's handle reports as a
+        WorkerFailure (the run goes on with the last published drafter)."""
+        try:
+            run_when_idle()   # the micro-steps take only CPU time the workers leave
+            with device_stream(self.device):
+                self._train()
+        except BaseException:
+            self.crashed = traceback.format_exc(limit=8)
+        finally:
+            self._idle.set()
 
     def _train(self) -> None:
-        run_when_idle()   # the micro-steps take only CPU time the workers leave
-        with device_stream(self.device):
-            while not self.stopped.is_set():
-                if not self._go.wait(timeout=0.1):
+        while not self.stopped.is_set():
+            if not self._go.wait(timeout=0.1):
+                continue
+            with self._gate:
+                if not self._go.is_set():
                     continue
-                with self._gate:
-                    if not self._go.is_set():
-                        continue
-                    self._idle.clear()
+                self._idle.clear()
+            try:
                 trained = self.service.micro_step()
+            finally:
                 self._idle.set()
-                if not trained:
-                    time.sleep(0.005)   # nothing to train on yet, or this step's share is done
+            if not trained:
+                time.sleep(0.005)   # nothing to train on yet, or this step's share is done
+
+    def _check(self) -> None:
+        if self.crashed is not None:
+            raise RuntimeError(f"the drafter trainer's training thread raised:\n{self.crashed}")
 
     def pid(self) -> int:
+        """(The driver's liveness check: a training thread that raised fails it.)"""
+        self._check()
         return os.getpid()
 
     def stop(self) -> None:
         """Ends the training thread after its micro-step (a member inside a hybrid worker,
-        whose process lives on); a pause first."""
-        self.pause(time.perf_counter())
+        whose process lives on; one whose thread raised too)."""
+        self._halt()
         self.stopped.set()
 
     def apply(self, calls: list[tuple[str, tuple]]) -> None:
@@ -104,12 +126,17 @@ class TrainerActor:
         self._go.set()
 
     def pause(self, asked_at: float) -> SpotStats:
+        self._halt()
+        self._check()
+        return self.service.paused(asked_at)
+
+    def _halt(self) -> None:
         with self._gate:
             self._go.clear()
         self._idle.wait()   # the micro-step running now ends first
-        return self.service.paused(asked_at)
 
     def publish(self, min_steps: int) -> Any:
+        self._check()
         return self.service.publish(min_steps)
 
     def last_published(self) -> list[torch.Tensor]:
@@ -117,6 +144,7 @@ class TrainerActor:
         return self.service.last_published()
 
     def state(self) -> dict:
+        self._check()
         return self.service.state()
 
 

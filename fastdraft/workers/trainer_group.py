@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-import traceback
 from typing import Any
 
 import torch.distributed as dist
@@ -33,8 +32,6 @@ from fastdraft.databuffer import Sample
 from fastdraft.trainer.data_parallel import agree, token_weighted_grads
 from fastdraft.trainer.service import TrainerHandle, TrainerSetup
 from fastdraft.trainer.spot import Published, SpotStats
-from fastdraft.trainer.stream import device_stream
-from fastdraft.utils.process import run_when_idle
 from fastdraft.workers.trainer_actor import Placement, RayTrainer, TrainerActor
 
 
@@ -50,7 +47,6 @@ class GroupMember(TrainerActor):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rounds: dict[int, tuple[tuple[int, ...], bool]] = {}   # id -> (members, train)
         self.told = self.formed = 0
-        self.crashed: str | None = None   # the training thread's traceback, if it died
         super().__init__(setup)   # starts the training thread (self._train)
 
     def join(self, round_id: int, members: tuple[int, ...], train: bool) -> None:
@@ -62,29 +58,16 @@ class GroupMember(TrainerActor):
             if train:
                 self._go.set()
 
-    def pid(self) -> int:
-        """(The driver's liveness check: a training thread that died fails it.)"""
-        if self.crashed is not None:
-            raise RuntimeError(f"the training thread died:\n{self.crashed}")
-        return super().pid()
-
     def _train(self) -> None:
-        try:
-            run_when_idle()
-            with device_stream(self.device):
-                while not self.stopped.is_set():
-                    # Every round this member was told of, in order: its other members form
-                    # each of them too, so no one waits for a member that skipped one.
-                    with self._gate:
-                        pending = [r for r in self.rounds if r > self.formed]
-                    if pending:
-                        self._round(min(pending))
-                    else:
-                        time.sleep(0.005)
-        except BaseException:
-            self.crashed = traceback.format_exc(limit=8)
-            self._idle.set()   # a pause answers, and the next ping reports it
-            raise
+        while not self.stopped.is_set():
+            # Every round this member was told of, in order: its other members form each of
+            # them too, so no one waits for a member that skipped one.
+            with self._gate:
+                pending = [r for r in self.rounds if r > self.formed]
+            if pending:
+                self._round(min(pending))
+            else:
+                time.sleep(0.005)
 
     def _round(self, round_id: int) -> None:
         self.formed = round_id

@@ -11,6 +11,11 @@ import pytest
 import torch
 
 from fastdraft.actor.memory_plan import ActorPlan, RunPlan, check_run_plan
+from fastdraft.actor.runtime_memory import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
+    RuntimeMemory,
+)
 from fastdraft.algo.logprobs import logprobs_of, next_token_logits
 from fastdraft.bench.real_shapes import shape_config
 from fastdraft.config.engine import SpecConfig
@@ -46,8 +51,12 @@ def test_actor_plan_of_a_7b_shape_over_8_ranks():
     reference_forward = 2 * (root + 2 * layer) + chunk * 8
     assert plan.logits_backward == max(chunk * (4 + 2), reference_forward)   # fp32, its bf16
     assert plan.push == 4 * vocab * h                                    # the largest parameter
-    assert plan.per_rank_bytes == plan.state + plan.grads + plan.gathered + plan.activations \
+    assert plan.unit_push == 2 * (root + 2 * layer)    # a hybrid sync: root and two layers, bf16
+    assert plan.sync_push(torch.bfloat16) == plan.unit_push
+    assert plan.sync_push(torch.float16) == plan.push   # cast: one fp32 parameter at a time
+    assert plan.update == plan.grads + plan.gathered + plan.activations \
         + max(plan.logits, plan.logits_backward)
+    assert plan.per_rank_bytes == plan.state + plan.update
     # No KL: no reference; more ranks: smaller shards, the same activations.
     no_kl = ActorPlan.of(cfg, BF16_8_RANKS, kl_coef=0.0, max_seq_len=2048)
     assert no_kl.reference == 0 and no_kl.state == plan.state - plan.reference
@@ -109,13 +118,19 @@ def _run_plan(slots: int, max_seq_len: int, tokens: int, device: str = "cuda:0")
 def test_run_plan_puts_engine_and_rank_0_on_one_device():
     plan = _run_plan(32, 2048, 2048)
     engine, actor = plan.engine, plan.actor
-    # rollout (engine steps) and update (actor) never overlap: the larger transient counts
-    assert plan.device0_bytes == (engine.resident + actor.state
+    # one process (the driver's context) in the 8 ranks' NCCL group
+    assert plan.runtime == RuntimeMemory(contexts=1, communicators=1)
+    # rollout (engine steps), update and push (actor) never overlap: the largest counts
+    assert plan.device0_bytes == (engine.resident + actor.state + plan.runtime.nbytes
                                   + max(engine.step_scratch, actor.transient))
-    assert plan.engine_reserve + engine.total == plan.device0_bytes
+    # the engine's check measures free bytes its own process's context is already out of
+    assert plan.engine_reserve + engine.total + CUDA_CONTEXT_BYTES == plan.device0_bytes
     # here the update's peak is the larger: the engine's prefill scratch is reused by it
-    assert actor.transient > engine.step_scratch
-    assert plan.device0_bytes == engine.resident + actor.per_rank_bytes
+    assert actor.transient > engine.step_scratch and plan.phases.largest == "update"
+    assert plan.device0_bytes == engine.resident + actor.per_rank_bytes + plan.runtime.nbytes
+    # ranks 1..: their own process's context, the driver's, the ranks' communicator
+    assert plan.other_rank_bytes == (actor.per_rank_bytes + 2 * CUDA_CONTEXT_BYTES
+                                     + NCCL_COMMUNICATOR_BYTES)
 
 
 def test_run_plan_refusal_names_settings_that_fit():
@@ -152,9 +167,13 @@ def test_ranks_that_do_not_fit_name_num_ranks():
 def test_hybrid_plan_gives_every_device_a_replica_and_the_kv_cache_back_for_the_update():
     plan = dataclasses.replace(_run_plan(32, 2048, 2048), hybrid=True)
     engine, actor = plan.engine, plan.actor
-    # the KV cache and the update's transient never add up: the cache is released first
-    assert plan.device0_bytes == (engine.resident - engine.kv_cache + actor.state
-                                  + max(engine.kv_cache + engine.step_scratch, actor.transient))
+    # the KV cache and graph pool never add up with the update's transient nor the sync's
+    # gather: they are given back first and return at the next rollout
+    kept = (engine.resident - engine.kv_cache - engine.graph_pool + actor.state
+            + plan.runtime.nbytes)
+    assert plan.device0_bytes == kept + max(
+        engine.kv_cache + engine.graph_pool + engine.step_scratch, actor.update,
+        actor.unit_push)
     one_engine = dataclasses.replace(plan, hybrid=False)
     assert plan.device0_bytes < one_engine.device0_bytes
     assert plan.fits(Capacity.of("cuda:0", 80 * GB).usable)
@@ -170,10 +189,11 @@ def test_hybrid_plan_gives_every_device_a_replica_and_the_kv_cache_back_for_the_
         check_run_plan(dataclasses.replace(plan, trainer=room + 1), usable)
     cpu = dataclasses.replace(_run_plan(4, 256, 256, device="cpu"), hybrid=True)
     # 8 workers in one RAM, each keeping its KV cache (nothing to give back to on a CPU); the
-    # checkpoint is each worker's shard written in place: no snapshot on rank 0's host
+    # checkpoint is each worker's shard written in place: no snapshot on rank 0's host; no CUDA
+    # context, no NCCL buffers (gloo)
     per_worker = (cpu.engine.resident + cpu.actor.state
-                  + max(cpu.engine.step_scratch, cpu.actor.transient))
-    assert cpu.device0_bytes == 8 * per_worker
+                  + max(cpu.engine.step_scratch, cpu.actor.update, cpu.actor.unit_push))
+    assert cpu.runtime.nbytes == 0 and cpu.device0_bytes == 8 * per_worker
 
 
 def test_cpu_run_plan_shares_one_ram():

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from fastdraft.algo.gate import LAW_BIAS_TOLERANCE, GateTolerance, LosslessGateError, check_gate
-from fastdraft.algo.token_stats import TokenStats, law_statistic, token_stats
+from fastdraft.algo.token_stats import TokenStats, law_statistic
 from fastdraft.config import load_recipe
 from fastdraft.config.sections import GateSection
+from tests.algo.test_gate import _law_batch
 
 FP32 = GateTolerance.for_dtypes("float32", "float32")
 BF16 = GateTolerance.for_dtypes("bfloat16", "float32")     # bf16 compute: the bf16 rules
@@ -115,26 +116,15 @@ def test_the_rule_is_a_z_limit_raised_by_tolerance_over_se(noise):
                     check_gate(stats, engine, mask, tol)
 
 
-def _sharper_law(sharpen: float, rows: int = 40, cols: int = 60, vocab: int = 12):
-    """test_gate.py's batch: tokens drawn from softmax(sharpen * logits), judged against
-    softmax(logits); 2400 tokens."""
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(rows, cols, vocab, generator=gen) * 2
-    draws = torch.multinomial((logits.view(-1, vocab) * sharpen).softmax(-1), 1,
-                              generator=gen).view(rows, cols)
-    stats = token_stats(logits, draws, 1.0)
-    return stats, stats.logprob.clone(), torch.ones(rows, cols, dtype=torch.bool)
-
-
 def test_at_a_few_thousand_tokens_the_rule_is_todays():
-    stats, engine, mask = _sharper_law(1.6)
+    stats, engine, mask = _law_batch(1.6)
     law = law_statistic(stats, mask)
     for tol in (FP32, BF16):
         # the effective |z| limit, k + tolerance / se, stays near 6 at this size
         assert 6 < tol.law_z + tol.law_bias / law.se < (6.1 if tol is FP32 else 7.5)
         with pytest.raises(LosslessGateError, match=r"not drawn from the policy's law: z = -\d+"):
             check_gate(stats, engine, mask, tol)
-    metrics = check_gate(*_sharper_law(1.0), BF16)              # the policy's own samples
+    metrics = check_gate(*_law_batch(1.0), BF16)              # the policy's own samples
     assert abs(metrics["rollout/law_z"]) < 4 and metrics["rollout/law_bias_ci"] > 0.1
 
 

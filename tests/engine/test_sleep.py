@@ -1,6 +1,7 @@
 """An engine that sleeps (colocated placement: the actor updates on its device) gives back its KV
 cache and, asked to, its weights, and wakes by itself exactly as it was: the same completions
-as before it slept, a zeroed cache, the weights a push loads used as they are."""
+as before it slept, a zeroed cache, the weights a push loads used as they are (a push wakes the
+weights alone: the cache comes back at the next generate)."""
 
 from __future__ import annotations
 
@@ -50,14 +51,28 @@ def test_on_the_cpu_sleep_gives_back_the_cache_and_keeps_the_weights(engine):
     assert engine.runner.kv_cache.untyped_storage().nbytes() == kv
 
 
-def test_a_woken_cache_is_zeroed_and_pushed_weights_are_used(engine):
-    engine.runner.kv_cache.fill_(float("nan"))   # stale bits a masked read would multiply by 0
+def test_a_push_wakes_the_weights_alone_and_the_cache_comes_back_zeroed(engine):
+    """A push into a sleeping engine gets its weights back and loads them while the cache stays
+    given back (the sync's gather has its memory: actor/memory_plan.py); the cache returns,
+    zeroed, when a generate (here `wake`) needs it."""
+    cache = engine.runner.kv_cache
+    cache.fill_(float("nan"))   # stale bits a masked read would multiply by 0
     new = {n: torch.full_like(p, 0.01) for n, p in engine.model.named_parameters()}
     engine.sleep(weights=True)
-    version = engine.load_weights(new.items())   # a push wakes it, then loads
-    assert version == 1 and not engine.asleep
-    assert torch.count_nonzero(engine.runner.kv_cache) == 0
+    landed = []
+
+    def pushed():
+        for name, tensor in new.items():
+            landed.append(cache.untyped_storage().nbytes())
+            yield name, tensor
+
+    assert engine.load_weights(pushed()) == 1
+    assert set(landed) == {0} and engine.asleep and cache.untyped_storage().nbytes() == 0
     for name, param in engine.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+    engine.wake()
+    assert not engine.asleep and torch.count_nonzero(cache) == 0
+    for name, param in engine.model.named_parameters():   # the push, not the host copy
         assert torch.equal(param, new[name]), name
 
 
@@ -72,3 +87,15 @@ def test_released_frees_a_storage_once_however_many_tensors_view_it():
     released.restore()
     assert torch.equal(base, torch.arange(12.0)) and torch.equal(views[1], torch.arange(6.0, 12))
     assert not released
+
+
+def test_released_restores_the_kept_storages_alone_when_asked():
+    weights, cache = torch.arange(4.0), torch.ones(8)
+    released = Released()
+    released.free([weights], keep=True)
+    released.free([cache], keep=False)
+    released.restore(kept_only=True)
+    assert torch.equal(weights, torch.arange(4.0)) and cache.untyped_storage().nbytes() == 0
+    assert released and released.nbytes == 32
+    released.restore()
+    assert not released and torch.count_nonzero(cache) == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdraft import RolloutEngine
+from fastdraft import RolloutEngine, SamplingParams
 from fastdraft.actor.sharding import full_tensor
 from fastdraft.workers.hybrid import HEAD, HybridWorker
 from tests.actor.test_actor import spec
@@ -65,9 +65,39 @@ def test_the_engine_gives_back_its_kv_cache_for_the_update_and_keeps_its_weights
     assert released == kv.numel() * kv.element_size()
     assert kv.untyped_storage().nbytes() == 0   # the cache's memory is back
     assert all(p.untyped_storage().nbytes() > 0 for p in worker.engine.model.parameters())
-    worker.sync_weights(version=1)   # wakes the engine: the cache is back, the weights loaded
-    assert kv.untyped_storage().nbytes() > 0
+    worker.sync_weights(version=1)
     assert all(torch.equal(p, weights[n]) for n, p in worker.engine.model.named_parameters())
+
+
+def test_the_sync_gathers_while_the_cache_is_given_back_and_generate_takes_it_back(
+        worker, monkeypatch):
+    """The order the sync phase's plan rests on (actor/memory_plan.py): every tensor is gathered
+    and lands while the KV cache's memory is still free, so the device holds the gather or the
+    cache, never both; the next generate allocates the cache again."""
+    kv = worker.engine.runner.kv_cache
+    worker.sleep()
+    cache_at_each_gather = []
+    gathered_for = worker.actor.gathered_for
+
+    def watched(dtype):
+        gathered = gathered_for(dtype)
+        units = gathered.named_parameters
+
+        def named():
+            for name, tensor in units():
+                cache_at_each_gather.append(kv.untyped_storage().nbytes())
+                yield name, tensor
+        gathered.named_parameters = named
+        return gathered
+
+    monkeypatch.setattr(worker.actor, "gathered_for", watched)
+    worker.sync_weights(version=1)
+    assert len(cache_at_each_gather) == len(list(worker.actor.model.parameters()))
+    assert set(cache_at_each_gather) == {0}
+    assert kv.untyped_storage().nbytes() == 0 and worker.engine.asleep   # through the sync
+    worker.engine.generate([[5, 9, 2]], SamplingParams(max_new_tokens=4), use_tqdm=False)
+    assert kv.untyped_storage().nbytes() == kv.numel() * kv.element_size()
+    assert not worker.engine.asleep
 
 
 def test_on_the_cpu_the_kv_cache_stays(char_policy):
