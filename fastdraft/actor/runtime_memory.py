@@ -5,9 +5,10 @@ plan counts on each device (actor/memory_plan.py): not measured here.
   state and the kernels of torch and its libraries as they load), CUDA_CONTEXT_BYTES each. On
   a device: the process computing there (a hybrid worker; an actor rank; on device 0 of the
   other layouts the driver itself, its engine and the actor's rank 0 in one process), and on
-  every other device the driver's too: preflight's `torch.cuda.mem_get_info` makes one on
-  model.device, and so initialises CUDA in the driver, whose first checkpoint's
-  RngState.capture (`torch.cuda.get_rng_state_all`) then makes one on every device it sees.
+  every other device one for the driver too. The driver of hybrid workers computes on no GPU
+  and is written to make no context (preflight reads free memory in a child process:
+  utils/device_memory.py; RngState.capture reads no CUDA state where CUDA is not initialised),
+  but nothing has confirmed that on a GPU yet, so its context stays budgeted.
 - NCCL communicators: each holds its buffers for its lifetime, NCCL_BUFFSIZE (NCCL's default
   for it) for each of up to NCCL_CHANNELS channels. A device's processes are in: the actor
   ranks' group when it has two ranks or more (hybrid: the workers' group, which the FSDP2

@@ -98,7 +98,10 @@ def preflight(cfg: RunConfig, capacity: Capacity | None = None, cache_dir: Path 
                                       else run_dir.path / "imported-drafter")
     check_drafter_fits_policy(cfg, policy_dir, drafter_dir)
     from fastdraft.run.dry_run import plan_run, smallest_tensor_parallel
-    capacity = capacity or device_capacity(cfg.model.device)
+    # Hybrid workers compute on every GPU and the driver on none: it reads the figures in a
+    # child process, so it never makes a CUDA context (utils/device_memory.py).
+    capacity = capacity or device_capacity(cfg.model.device,
+                                           in_child=cfg.cluster.placement == "hybrid")
     plan = plan_run(cfg, policy_dir, drafter_dir, max_seq_len)
     print("\n".join([*(plan.engine.lines(capacity) if dry else ()), *plan.actor.lines(),
                      *plan.lines(capacity.usable)]))

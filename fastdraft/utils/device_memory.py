@@ -2,8 +2,10 @@
 what no plan counts, less what others sharing the device will need.
 
 CUDA: `torch.cuda.mem_get_info` (the driver's free bytes, so the CUDA context and other
-processes are already out of it). CPU: the machine's available RAM (psutil, else
-/proc/meminfo's MemAvailable). Figures are decimal (1 GB = 1e9 bytes), as GPU memory is sold.
+processes are already out of it; read in a child process by a process that computes on no GPU,
+which then makes no CUDA context: `device_capacity(in_child=True)`). CPU: the machine's
+available RAM (psutil, else /proc/meminfo's MemAvailable). Figures are decimal (1 GB = 1e9
+bytes), as GPU memory is sold.
 
 The margin, max(1 GiB, 5% of the device): the caching allocator rounds blocks up (2 MiB pages,
 20 MiB segments) and fragments under varying shapes; cuBLAS / cuDNN workspaces, NCCL's buffers
@@ -17,6 +19,8 @@ actor's rank 0 after it, on the same GPU, so it reserves the actor's plan for ra
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,15 +80,46 @@ class Capacity:
         return f"{gb(self.usable)} usable on {self.device} ({' - '.join(parts)})"
 
 
-def device_capacity(device: str | torch.device, reserved: int = 0) -> Capacity:
-    """What is free on `device` now (CUDA: that GPU; anything else: host RAM)."""
+def device_capacity(device: str | torch.device, reserved: int = 0, *,
+                    in_child: bool = False) -> Capacity:
+    """What is free on `device` now (CUDA: that GPU; anything else: host RAM). in_child: a
+    process that computes on no GPU (the driver of hybrid workers) reads a GPU's figures in a
+    short child process (`gpu_memory_in_child`) unless it initialised CUDA already, so it makes
+    no CUDA context of its own there: ~0.5 GB of the device its workers plan with."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        name = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-        return Capacity.of(name, total, free, reserved)
+        index = device.index if device.index is not None else 0
+        if in_child and not torch.cuda.is_initialized():
+            free, total = gpu_memory_in_child(index)
+        else:
+            free, total = torch.cuda.mem_get_info(torch.device("cuda", index))
+        return Capacity.of(f"cuda:{index}", total, free, reserved)
     total, available = host_memory()
     return Capacity.of(device.type, total, available, reserved)
+
+
+#: What the child process runs: (free, total) bytes of GPU argv[1], then it exits (its CUDA
+#: context goes with it).
+_READ_GPU = ("import sys, torch; free, total = torch.cuda.mem_get_info(int(sys.argv[1])); "
+             "print(free, total)")
+CHILD_TIMEOUT_S = 120.0   # starting Python, importing torch and a CUDA context: seconds
+
+
+def gpu_memory_in_child(index: int) -> tuple[int, int]:
+    """(free, total) bytes of CUDA device `index` as a child process of this Python sees them
+    (the same CUDA_VISIBLE_DEVICES); its own context is counted used, as the worker's will be."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _READ_GPU, str(index)], capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise FastdraftError(f"reading cuda:{index}'s free memory took over "
+                             f"{CHILD_TIMEOUT_S:g} s: check the GPU with nvidia-smi") from None
+    figures = done.stdout.split()
+    if done.returncode or len(figures) != 2:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FastdraftError(f"could not read cuda:{index}'s free memory ({why}): check the "
+                             "GPU with nvidia-smi and CUDA_VISIBLE_DEVICES")
+    return int(figures[0]), int(figures[1])
 
 
 def host_memory() -> tuple[int, int]:

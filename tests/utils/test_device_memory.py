@@ -23,3 +23,77 @@ def test_cpu_capacity_is_the_available_ram(tmp_path):
     assert _meminfo(meminfo) == (16_384_000_000, 8_192_000_000)
     cap = device_capacity("cpu", reserved=GB)
     assert 0 < cap.free <= cap.total and cap.reserved == GB
+
+
+def _gpu_machine_driver(monkeypatch) -> list[str]:
+    """This process as the driver of a GPU node: CUDA visible, not initialised here, and any
+    call that would make a CUDA context in this process fails the test."""
+    import torch
+
+    made: list[str] = []
+
+    def context(*args, **kwargs):
+        made.append("mem_get_info")
+        raise AssertionError("the driver made a CUDA context (torch.cuda.mem_get_info)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", context)
+    return made
+
+
+def test_a_driver_reads_a_gpus_memory_in_a_child_and_makes_no_context(monkeypatch):
+    import subprocess
+
+    from fastdraft.utils import device_memory
+    made = _gpu_machine_driver(monkeypatch)
+    asked: list[list[str]] = []
+
+    def child(argv, **kwargs):
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="70000000000 80000000000\n",
+                                           stderr="")
+
+    monkeypatch.setattr(device_memory.subprocess, "run", child)
+    cap = device_capacity("cuda:3", in_child=True)
+    assert (cap.device, cap.free, cap.total) == ("cuda:3", 70 * GB, 80 * GB) and not made
+    assert asked[0][-1] == "3"   # the child reads the same device
+    # A process that computes on its GPU reads it itself (its context exists or will).
+    import pytest
+    with pytest.raises(AssertionError, match="made a CUDA context"):
+        device_capacity("cuda:0")
+
+
+def test_a_child_that_cannot_read_the_gpu_is_one_clear_line(monkeypatch):
+    """A real child on this CPU-only torch: its mem_get_info fails, the driver says so."""
+    import pytest
+
+    from fastdraft.errors import FastdraftError
+    _gpu_machine_driver(monkeypatch)
+    with pytest.raises(FastdraftError, match=r"could not read cuda:0's free memory \(.+\): "
+                                             "check the GPU with nvidia-smi"):
+        device_capacity("cuda", in_child=True)
+
+
+def test_the_preflight_of_hybrid_workers_reads_in_a_child(monkeypatch):
+    """run/preflight.py asks for the child read exactly where the driver computes on no GPU."""
+    from fastdraft.config import load_recipe
+    from fastdraft.run import preflight
+    seen: list[bool] = []
+
+    def capacity(device, reserved=0, *, in_child=False):
+        seen.append(in_child)
+        raise StopPreflight
+
+    class StopPreflight(Exception):
+        pass
+
+    monkeypatch.setattr(preflight, "device_capacity", capacity)
+    import pytest
+    for placement, expected in (("hybrid", True), ("separate", False)):
+        cfg = load_recipe("recipes/tiny-grpo.yaml", [
+            "cluster.backend=ray", f"cluster.placement={placement}",
+            "cluster.rollout_workers=2", "actor.num_ranks=2"])
+        with pytest.raises(StopPreflight):
+            preflight.preflight(cfg, dry=True)   # the cached policy: no training
+        assert seen.pop() is expected
